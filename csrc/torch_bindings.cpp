@@ -1,0 +1,22 @@
+// Every schema of torch.ops.chunkattn lives here; csrc/cpu and csrc/cuda register only their own
+// dispatch key. The empty PyInit__C lets `import vllm_chunkattn._C` load the library.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(chunkattn, m) {
+  // TPP decode over a paged KV cache (see vllm_chunkattn/plan.py for the plan tensors).
+  // partial_o/m/l: fp32 workspace [>= num_partials, num_heads(, head_size)], overwritten.
+  // out: [num_seqs, num_heads, head_size] written in place; lse: optional natural-log LSE.
+  m.def(
+      "tpp_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor node_block_indptr, Tensor node_block_ids, "
+      "Tensor node_seq_indptr, Tensor node_seq_ids, Tensor seq_partial_indptr, "
+      "Tensor seq_partial_ids, Tensor seq_num_shared_blocks, Tensor(a!) partial_o, "
+      "Tensor(b!) partial_m, Tensor(c!) partial_l, float scale, Tensor(d!) out, "
+      "Tensor(e!)? lse) -> ()");
+}
+
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,67 @@
+"""TPP decode over vLLM's paged KV cache: one entry point, dispatched to the native kernel of the
+device (csrc/cpu, csrc/cuda) or to the PyTorch reference. Imports no vLLM.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..plan import TppPlan
+from .native import kernel_name, native_ops
+from .reference import dense_decode_oracle, tpp_decode_reference
+
+__all__ = ["tpp_decode", "tpp_decode_reference", "dense_decode_oracle", "kernel_name",
+           "TppWorkspace"]
+
+
+class TppWorkspace:
+    """fp32 partial states of the chunk-first phase, grown on demand and reused across layers and
+    steps (no per-call allocation once warm; fixed addresses for CUDA graphs once large enough)."""
+
+    def __init__(self):
+        self.o = self.m = self.l = None
+
+    def get(self, num_partials: int, num_heads: int, head_size: int, device):
+        need = max(num_partials, 1)
+        if (self.o is None or self.o.device != torch.device(device) or self.o.shape[0] < need
+                or self.o.shape[1:] != (num_heads, head_size)):
+            self.o = torch.empty(need, num_heads, head_size, dtype=torch.float32, device=device)
+            self.m = torch.empty(need, num_heads, dtype=torch.float32, device=device)
+            self.l = torch.empty(need, num_heads, dtype=torch.float32, device=device)
+        return self.o, self.m, self.l
+
+
+_default_workspace = TppWorkspace()
+
+
+def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, plan: TppPlan, scale: float,
+               out: torch.Tensor, lse: torch.Tensor | None = None,
+               workspace: TppWorkspace | None = None, kernel: str | None = None) -> torch.Tensor:
+    """Exact decode attention, two-phase over the plan's shared nodes and private tails.
+
+    query:       [num_seqs, num_heads, head_size], one new token per row (fp32/fp16/bf16)
+    key_cache:   [num_blocks, block_size, num_kv_heads, head_size], any strides, last dim dense
+    value_cache: same shape as key_cache
+    block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new token included)
+    plan:        TppPlan of this batch (plan tensors on query's device)
+    out:         [num_seqs, num_heads, head_size], written in place and returned
+    lse:         optional [num_seqs, num_heads] fp32, written with the natural-log LSE
+    kernel:      "native" | "reference" | None (native when built for the device)
+    """
+    use = kernel or ("native" if native_ops(query.device) is not None else "reference")
+    if use == "reference":
+        o, l = tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, plan,
+                                    scale, out=out, return_lse=True)
+        if lse is not None:
+            lse.copy_(l)
+        return out
+    ops = native_ops(query.device)
+    if ops is None:
+        raise RuntimeError(f"no native TPP kernel built for {query.device.type}")
+    p_o, p_m, p_l = (workspace or _default_workspace).get(
+        plan.num_partials, query.shape[1], query.shape[2], query.device)
+    ops.tpp_decode(query, key_cache, value_cache, block_table, seq_lens,
+                   plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
+                   plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
+                   plan.seq_num_shared_blocks, p_o, p_m, p_l, scale, out, lse)
+    return out

@@ -1,0 +1,44 @@
+"""Loads the native TPP kernels (torch.ops.chunkattn) once: the extension built at install time
+(vllm_chunkattn._C), or a JIT build of csrc/ when CUDA is present and nothing was built."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+@functools.cache
+def _load() -> bool:
+    try:
+        from .. import _C  # noqa: F401  registers torch.ops.chunkattn.*
+        return True
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and _CSRC.is_dir() and os.environ.get("CHUNKATTN_JIT", "1") == "1":
+        from .jit_build import load_jit
+        load_jit(_CSRC)
+        return True
+    return False
+
+
+def native_ops(device: torch.device):
+    """torch.ops.chunkattn if a kernel for this device type is registered, else None."""
+    if not _load() or not hasattr(torch.ops.chunkattn, "tpp_decode"):
+        return None
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "chunkattn::tpp_decode", key):
+        return None
+    return torch.ops.chunkattn
+
+
+def kernel_name(device: torch.device | str) -> str:
+    """What tpp_decode runs on this device: for the start-up log line."""
+    dev = torch.device(device)
+    return f"native-{dev.type}" if native_ops(dev) is not None else "torch-reference"

@@ -1,0 +1,141 @@
+"""TppPlan: the sharing tree of one decode batch, built once per step from the block table.
+
+Rows of the block table that start with the same full blocks share those blocks' KV. Sorting the
+rows lexicographically puts sharers next to each other (the DFS order of the prefix tree), and the
+longest common prefix (LCP) of neighbours gives the tree: every maximal run of columns held by the
+same set of >= 2 rows is one *shared node*.
+
+    block_table (decode rows, sorted)          shared nodes           partials (one per sharer)
+    row a: [7  8  9 | 3 ]                      n0: blocks [7 8]       p0 p1 p2  (rows a b c, node n0)
+    row b: [7  8  9 | 5 ]                          rows  a b c
+    row c: [7  8 | 4  6 ]                      n1: blocks [9]         p3 p4     (rows a b, node n1)
+                                                   rows  a b
+    '|' = seq_num_shared_blocks: the private tail starts there and is walked by the sequence-first
+    phase, which merges the row's partials (seq_partial_*) by online softmax.
+
+Only full blocks are shared (a row's partial last block is always private), so every sharer sees
+every token of a node and the chunk-first phase needs no mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TppPlan:
+    """CSR description of one decode batch. All tensors int32, on the device of the kernel.
+
+    node_block_indptr:   [num_nodes + 1]   node n owns node_block_ids[indptr[n]:indptr[n+1]]
+    node_block_ids:      [num_node_blocks] physical block ids (vLLM block ids), in token order
+    node_seq_indptr:     [num_nodes + 1]   node n is seen by rows node_seq_ids[indptr[n]:indptr[n+1]];
+                                           position j in node_seq_ids is partial state j
+    node_seq_ids:        [num_partials]    decode row indices (rows of query / block_table)
+    seq_partial_indptr:  [num_seqs + 1]    row i merges partials seq_partial_ids[indptr[i]:indptr[i+1]]
+    seq_partial_ids:     [num_partials]
+    seq_num_shared_blocks: [num_seqs]      first private column of block_table for row i
+    """
+
+    num_seqs: int
+    num_nodes: int
+    num_partials: int
+    node_block_indptr: torch.Tensor
+    node_block_ids: torch.Tensor
+    node_seq_indptr: torch.Tensor
+    node_seq_ids: torch.Tensor
+    seq_partial_indptr: torch.Tensor
+    seq_partial_ids: torch.Tensor
+    seq_num_shared_blocks: torch.Tensor
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return int(self.node_block_ids.numel())
+
+    def shared_kv_tokens(self, block_size: int) -> int:
+        """KV tokens read once for several rows: sum over nodes of (sharers - 1) * tokens."""
+        blocks = np.diff(self.node_block_indptr.cpu().numpy())
+        sharers = np.diff(self.node_seq_indptr.cpu().numpy())
+        return int(((sharers - 1) * blocks).sum()) * block_size
+
+    def to(self, device: torch.device | str) -> "TppPlan":
+        fields = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                  for k, v in self.__dict__.items()}
+        return TppPlan(**fields)
+
+
+def _as_int32(a) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def empty_plan(num_seqs: int) -> TppPlan:
+    """No sharing: every row is all private (plain paged decode)."""
+    z1 = np.zeros(1, np.int32)
+    return TppPlan(num_seqs, 0, 0, _as_int32(z1), _as_int32([]), _as_int32(z1), _as_int32([]),
+                   _as_int32(np.zeros(num_seqs + 1)), _as_int32([]), _as_int32(np.zeros(num_seqs)))
+
+
+def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2) -> TppPlan:
+    """Build the plan of a decode batch.
+
+    block_table: [num_seqs, max_blocks] int (numpy or CPU tensor); row i is valid up to
+                 ceil(seq_lens[i] / block_size)
+    seq_lens:    [num_seqs] int, tokens of KV each row attends to (new token included)
+    Cost: O(num_seqs * max_blocks) to sort plus O(num_seqs) for the tree.
+    """
+    bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
+    sl = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, np.int64)
+    num_seqs = int(sl.shape[0])
+    if num_seqs < min_sharers:
+        return empty_plan(num_seqs)
+    full = sl // block_size                           # only full blocks may be shared
+    width = int(full.max()) if num_seqs else 0
+    if width == 0:
+        return empty_plan(num_seqs)
+    # Blocks past a row's full prefix get a unique negative id so they never match.
+    cols = bt[:, :width].astype(np.int64)
+    pad = -1 - (np.arange(num_seqs, dtype=np.int64)[:, None] * width + np.arange(width)[None, :])
+    cols = np.where(np.arange(width)[None, :] < full[:, None], cols, pad)
+    order = np.lexsort(cols.T[::-1])                  # lexicographic: sharers become neighbours
+    srt = cols[order]
+    # lcp[k] = common full-block prefix of sorted rows k and k+1.
+    neq = srt[1:] != srt[:-1]
+    lcp = np.where(neq.any(axis=1), neq.argmax(axis=1), width).astype(np.int64)
+    return _plan_from_lcp(order, srt, lcp, num_seqs, min_sharers)
+
+
+def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int) -> TppPlan:
+    # Compressed-trie intervals from the LCP array (stack algorithm): an interval
+    # [begin, end) of sorted rows with depth d shares blocks [parent_depth, d).
+    nodes = []                                        # (depth_lo, depth_hi, begin, end)
+    stack = [(0, 0)]                                  # (depth, begin)
+    for k in range(len(lcp) + 1):
+        cur = int(lcp[k]) if k < len(lcp) else 0
+        begin = k
+        while stack[-1][0] > cur:
+            depth, begin = stack.pop()
+            parent = max(stack[-1][0], cur)
+            if k + 1 - begin >= min_sharers:
+                nodes.append((parent, depth, begin, k + 1))
+        if stack[-1][0] < cur:
+            stack.append((cur, begin))
+    nodes.sort(key=lambda n: (n[2], n[0]))            # DFS order: parents before children
+    node_block_indptr, node_block_ids = [0], []
+    node_seq_indptr, node_seq_ids = [0], []
+    per_seq: list[list[int]] = [[] for _ in range(num_seqs)]
+    shared = np.zeros(num_seqs, np.int64)
+    for lo, hi, b, e in nodes:
+        node_block_ids.extend(srt[b, lo:hi].tolist())
+        node_block_indptr.append(len(node_block_ids))
+        for r in order[b:e]:
+            per_seq[r].append(len(node_seq_ids))
+            node_seq_ids.append(int(r))
+            shared[r] = max(shared[r], hi)
+        node_seq_indptr.append(len(node_seq_ids))
+    seq_partial_indptr = np.cumsum([0] + [len(p) for p in per_seq])
+    seq_partial_ids = [p for ps in per_seq for p in ps]
+    return TppPlan(num_seqs, len(nodes), len(node_seq_ids),
+                   _as_int32(node_block_indptr), _as_int32(node_block_ids),
+                   _as_int32(node_seq_indptr), _as_int32(node_seq_ids),
+                   _as_int32(seq_partial_indptr), _as_int32(seq_partial_ids), _as_int32(shared))
