@@ -1,0 +1,111 @@
+"""Seeded random tree-shaped decode batches over a paged KV cache, for tests and benchmarks.
+
+A batch is a random prefix tree of blocks (depth, fan-out) whose leaves get private tails, laid out
+in a KV cache whose physical block ids are randomly permuted (block 0 stays the null block, as in
+vLLM). The cache uses one of vLLM's layouts, so kernels are tested on the strides they will read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# vLLM's per-layer KV layouts, as views [num_blocks, block_size, num_kv_heads, head_size]:
+#  "flash":    [B, N, H, K||V]            (FLASH_ATTN on GPU; K and V rows dense)
+#  "cpu_attn": [B, H, K^T[D, N] ; V[N, D]] (CPU_ATTN vec/vec16 ISA: K stored transposed)
+KV_LAYOUTS = ("flash", "cpu_attn")
+
+
+def alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout):
+    """Returns (storage, key_cache, value_cache) with the views described above."""
+    if layout == "flash":
+        storage = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size,
+                              dtype=dtype, device=device)
+        return storage, storage[..., :head_size], storage[..., head_size:]
+    if layout == "cpu_attn":
+        storage = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size,
+                              dtype=dtype, device=device)
+        halves = storage.view(num_blocks, num_kv_heads, 2, block_size * head_size)
+        k = halves[:, :, 0].unflatten(-1, (head_size, block_size)).permute(0, 3, 1, 2)
+        v = halves[:, :, 1].unflatten(-1, (block_size, head_size)).transpose(1, 2)
+        return storage, k, v
+    raise ValueError(f"unknown KV layout {layout!r}; expected one of {KV_LAYOUTS}")
+
+
+@dataclass
+class TreeBatch:
+    query: torch.Tensor        # [num_seqs, num_heads, head_size]
+    key_cache: torch.Tensor    # [num_blocks, block_size, num_kv_heads, head_size] (strided view)
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32, 0-padded
+    seq_lens: torch.Tensor     # [num_seqs] int32
+    block_size: int
+    scale: float
+
+
+def random_tree_batch(seed: int, *, depth: int = 2, fanout: int = 3, max_node_blocks: int = 2,
+                      max_private_blocks: int = 2, num_heads: int = 8, num_kv_heads: int = 2,
+                      head_size: int = 64, block_size: int = 16, dtype=torch.float32,
+                      device="cpu", layout: str = "flash", max_seqs: int | None = None,
+                      fanouts: list[int] | None = None, shuffle: bool = True) -> TreeBatch:
+    """A tree of `depth` levels (or len(fanouts) levels with fixed fan-outs), each node fanning
+    out to 1..fanout children and holding 1..max_node_blocks full blocks; every leaf is a sequence
+    with 0..max_private_blocks private full blocks plus a partial tail of 1..block_size tokens.
+    Depth 1 means no sharing: every sequence has its own first-level node."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rint(lo, hi):                     # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    paths: list[list[str]] = [[]]         # node labels; same label = same physical blocks
+    node_blocks: dict[str, int] = {}
+    for level in range(len(fanouts) if fanouts else depth):
+        grown = []
+        for p in paths:
+            for c in range(fanouts[level] if fanouts else rint(1, fanout)):
+                label = f"{'.'.join(p)}/{level}:{c}"
+                node_blocks[label] = rint(1, max_node_blocks)
+                grown.append(p + [label])
+        paths = grown
+    if max_seqs is not None:
+        paths = paths[:max_seqs]
+    tails = [rint(0, max_private_blocks) for _ in paths]
+    partial = [rint(1, block_size) for _ in paths]
+    num_logical = sum(node_blocks.values()) + sum(t + 1 for t in tails)
+    num_blocks = num_logical + 1 + rint(0, 8)            # block 0 = null, plus unused blocks
+    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    node_ids = {}
+    for label, n in node_blocks.items():
+        node_ids[label] = [physical.pop() for _ in range(n)]
+    rows, lens = [], []
+    for p, t, last in zip(paths, tails, partial):
+        ids = [b for label in p for b in node_ids[label]] + [physical.pop() for _ in range(t + 1)]
+        rows.append(ids)
+        lens.append((len(ids) - 1) * block_size + last)
+    if shuffle:
+        perm = torch.randperm(len(rows), generator=g).tolist()
+        rows, lens = [rows[i] for i in perm], [lens[i] for i in perm]
+    width = max(len(r) for r in rows)
+    block_table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        block_table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    _, key_cache, value_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                               dtype, device, layout)
+    key_cache.copy_(torch.randn(key_cache.shape, generator=g).to(dtype))
+    value_cache.copy_(torch.randn(value_cache.shape, generator=g).to(dtype))
+    query = torch.randn(len(rows), num_heads, head_size, generator=g).to(dtype).to(device)
+    return TreeBatch(query, key_cache, value_cache, block_table.to(device),
+                     torch.tensor(lens, dtype=torch.int32, device=device), block_size,
+                     head_size ** -0.5)
+
+
+# Named shapes (vLLM BATCH_SPECS style): each is keyword arguments for random_tree_batch.
+TREE_SPECS: dict[str, dict] = {
+    "no_sharing": dict(fanouts=[8], max_node_blocks=2, max_private_blocks=3),
+    "single_prefix": dict(fanouts=[1, 8], max_node_blocks=4, max_private_blocks=0),
+    "system_prompts": dict(fanouts=[3, 6], max_node_blocks=3, max_private_blocks=2),
+    "deep_tree": dict(depth=4, fanout=3, max_node_blocks=2, max_private_blocks=3),
+    "node_ends_at_last_token": dict(fanouts=[1, 4], max_node_blocks=2, max_private_blocks=0),
+    "batch_17": dict(fanouts=[2, 9], max_node_blocks=2, max_private_blocks=2, max_seqs=17),
+    "batch_1": dict(fanouts=[1], max_node_blocks=2, max_private_blocks=1),
+}
