@@ -1,0 +1,22 @@
+"""python -m vllm_chunkattn.bench {kernel,ab,sched,plan} ...: each subcommand is a module with main(argv)."""
+import importlib
+import sys
+
+COMMANDS = {
+    "kernel": "vllm_chunkattn.bench.kernel",   # TPP kernel vs vLLM CPU_ATTN / torch baselines
+    "plan": "vllm_chunkattn.bench.plan",       # plan build / rebuild cost
+    "sched": "vllm_chunkattn.bench.sched",     # scheduler step time, peak KV blocks (tree vs stock)
+    "ab": "vllm_chunkattn.bench.ab",           # vllm bench serve: stock vs --attention-backend CUSTOM
+}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m vllm_chunkattn.bench {{{','.join(COMMANDS)}}} [--help]")
+        return 2
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
