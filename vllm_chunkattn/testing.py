@@ -10,31 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-# vLLM's per-layer KV layouts, as views [num_blocks, block_size, num_kv_heads, head_size]:
-#  "flash":    [B, N, H, K||V]            (FLASH_ATTN on GPU; K and V rows dense)
-#  "cpu_attn": [B, H, K^T[D, N] ; V[N, D]] (CPU_ATTN vec/vec16 ISA: K stored transposed)
-KV_LAYOUTS = ("flash", "cpu_attn")
-
-
-def alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout):
-    """Returns (storage, key_cache, value_cache) with the views described above."""
-    if layout == "flash":
-        storage = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size,
-                              dtype=dtype, device=device)
-        return storage, storage[..., :head_size], storage[..., head_size:]
-    if layout == "cpu_attn":
-        storage = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size,
-                              dtype=dtype, device=device)
-        halves = storage.view(num_blocks, num_kv_heads, 2, block_size * head_size)
-        k = halves[:, :, 0].unflatten(-1, (head_size, block_size)).permute(0, 3, 1, 2)
-        v = halves[:, :, 1].unflatten(-1, (block_size, head_size)).transpose(1, 2)
-        return storage, k, v
-    raise ValueError(f"unknown KV layout {layout!r}; expected one of {KV_LAYOUTS}")
+from .kv_layout import KV_LAYOUTS, alloc_kv_cache, kv_cache_views  # noqa: F401  (re-exported)
 
 
 @dataclass
 class TreeBatch:
     query: torch.Tensor        # [num_seqs, num_heads, head_size]
+    kv_cache: torch.Tensor     # vLLM's logical [num_blocks, num_kv_heads, block_size, 2*head_size]
     key_cache: torch.Tensor    # [num_blocks, block_size, num_kv_heads, head_size] (strided view)
     value_cache: torch.Tensor
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32, 0-padded
@@ -89,12 +71,13 @@ def random_tree_batch(seed: int, *, depth: int = 2, fanout: int = 3, max_node_bl
     block_table = torch.zeros(len(rows), width, dtype=torch.int32)
     for i, r in enumerate(rows):
         block_table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    _, key_cache, value_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
-                                               dtype, device, layout)
+    kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device,
+                              layout)
+    key_cache, value_cache = kv_cache_views(kv_cache, layout)
     key_cache.copy_(torch.randn(key_cache.shape, generator=g).to(dtype))
     value_cache.copy_(torch.randn(value_cache.shape, generator=g).to(dtype))
     query = torch.randn(len(rows), num_heads, head_size, generator=g).to(dtype).to(device)
-    return TreeBatch(query, key_cache, value_cache, block_table.to(device),
+    return TreeBatch(query, kv_cache, key_cache, value_cache, block_table.to(device),
                      torch.tensor(lens, dtype=torch.int32, device=device), block_size,
                      head_size ** -0.5)
 
