@@ -139,3 +139,37 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int) -> TppPlan:
                    _as_int32(node_block_indptr), _as_int32(node_block_ids),
                    _as_int32(node_seq_indptr), _as_int32(node_seq_ids),
                    _as_int32(seq_partial_indptr), _as_int32(seq_partial_ids), _as_int32(shared))
+
+
+class PlanCache:
+    """Rebuilds the plan only when the sharing structure can have changed (the paper's lazy
+    context copy): the block ids of every row's full blocks and the number of full blocks. While
+    rows only grow inside their private tail blocks the plan is reused as is."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu"):
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._key: tuple[np.ndarray, np.ndarray] | None = None
+        self._plan: TppPlan | None = None
+        self.num_builds = 0
+        self.num_reuses = 0
+        self.shared_kv_tokens = 0     # of the current plan
+
+    def get(self, block_table, seq_lens) -> TppPlan:
+        """block_table, seq_lens: host arrays/tensors of the decode rows (see build_plan)."""
+        bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
+        sl = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+        full = sl // self.block_size
+        width = int(full.max()) if full.size else 0
+        held = np.where(np.arange(width)[None, :] < full[:, None], bt[:, :width], -1)
+        key = (full, held)
+        if (self._key is not None and self._plan is not None
+                and np.array_equal(self._key[0], full) and np.array_equal(self._key[1], held)):
+            self.num_reuses += 1
+            return self._plan
+        plan = build_plan(bt, sl, self.block_size)
+        self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
+        self._plan = plan.to(self.device)
+        self._key = key
+        self.num_builds += 1
+        return self._plan

@@ -1,0 +1,37 @@
+"""Helpers to run the tiny model through vLLM's LLM in a child process (vLLM on CPU spawns its
+workers; a child keeps each engine's lifetime and memory out of the pytest process)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "models" / "tiny-llama"
+
+
+def tiny_model() -> Path:
+    from vllm_chunkattn.tiny_model import ensure_tiny_model
+    return ensure_tiny_model(MODEL_DIR)
+
+
+def run_llm(job: dict, tmp_path: Path, timeout: int = 900, env: dict | None = None) -> dict:
+    """Run tests/llm_job.py with `job` (engine kwargs + requests); returns its JSON result."""
+    pytest.importorskip("vllm")
+    job_file = tmp_path / f"job_{os.getpid()}_{len(list(tmp_path.iterdir()))}.json"
+    out_file = job_file.with_suffix(".out.json")
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "llm_job.py"), str(job_file),
+                           str(out_file)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                **(env or {})})
+    if proc.returncode != 0 or not out_file.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"LLM job failed (rc={proc.returncode}):\n{tail}")
+    result = json.loads(out_file.read_text())
+    result["log"] = proc.stdout + proc.stderr
+    return result

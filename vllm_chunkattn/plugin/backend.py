@@ -1,0 +1,195 @@
+"""ChunkAttention as a vLLM attention backend (name "CUSTOM").
+
+Decode rows (one new token each) go through TPP decode, driven by a TppPlan built once per step
+from the batch's block table. Prefill and chunked-prefill rows, and the KV cache writes, go
+through vLLM's own backend for the platform (CPU_ATTN on CPU, FLASH_ATTN on GPU), so the KV cache
+keeps that backend's layout and our kernels read it in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import KVCacheLayout
+from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
+
+from .. import __version__
+from ..kv_layout import kv_cache_views
+from ..ops import TppWorkspace, kernel_name, tpp_decode
+from ..plan import PlanCache, TppPlan
+from . import logger
+from .sharing_stats import SHARING_STATS
+
+def _platform_base():
+    """vLLM's own backend for this platform, and the KV layout it writes."""
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        return CPUAttentionBackend, "cpu_attn", (KVCacheLayout.LBHNC,)
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    return FlashAttentionBackend, "flash", (KVCacheLayout.LBNHC,)
+
+
+class ChunkAttnBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
+                                                     torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [16, MultipleOf(32)] if current_platform.is_cpu() else [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [64, 128, 256]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return _platform_base()[2]
+
+    @staticmethod
+    def get_impl_cls() -> type["ChunkAttnImpl"]:
+        return ChunkAttnImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["ChunkAttnMetadataBuilder"]:
+        return ChunkAttnMetadataBuilder
+
+
+@dataclass
+class ChunkAttnMetadata:
+    """Decode rows come first (reorder_batch_threshold = 1): rows [0, num_decodes) are decodes
+    with one token each; the rest is vLLM's own metadata for the prefill rows."""
+    num_actual_tokens: int
+    num_decodes: int
+    decode_block_table: torch.Tensor   # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor      # [num_decodes] int32
+    plan: TppPlan | None
+    prefill: object | None             # the platform backend's metadata for prefill rows
+
+
+_announced = False
+
+
+class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
+    # TPP runs outside CUDA graphs for now (the plan changes shape with the batch's tree).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int = 1
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        base_backend, self.kv_layout, _ = _platform_base()
+        self.base = base_backend.get_builder_cls()(kv_cache_spec, layer_names, vllm_config,
+                                                   device)
+        if getattr(self.base, "isa", None) == "amx":
+            # AMX packs K in tiles our kernels do not read; vec is CPU_ATTN's portable layout.
+            self.base.isa = "vec"
+            self.base._set_isa_to_layers(layer_names)
+        self.block_size = kv_cache_spec.block_size
+        self.plans = PlanCache(self.block_size, device)
+        global _announced
+        if not _announced:
+            _announced = True
+            logger.info("vllm-chunkattn %s: ChunkAttention backend (CUSTOM) in use: TPP decode "
+                        "kernel=%s, chunk size=%d tokens (= vLLM block size), prefill and KV "
+                        "writes via %s", __version__, kernel_name(device), self.block_size,
+                        base_backend.get_name())
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> ChunkAttnMetadata:
+        cm = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cm, decode_threshold=1)
+        block_table = cm.block_table_tensor[:num_decodes]
+        seq_lens = cm.seq_lens[:num_decodes]
+        plan = None
+        if num_decodes:
+            host_seq_lens = seq_lens.cpu()
+            plan = self.plans.get(block_table.cpu(), host_seq_lens)
+            SHARING_STATS.record(num_decodes, int(host_seq_lens.sum()),
+                                 self.plans.shared_kv_tokens, self.plans.num_builds)
+        prefill = None
+        if num_prefills:
+            rows = slice(num_decodes, cm.num_reqs)
+            tokens = slice(num_decode_tokens, cm.num_actual_tokens)
+            prefill = self.base.build(0, split_attn_metadata([UBatchSlice(rows, tokens)], cm)[0])
+        return ChunkAttnMetadata(cm.num_actual_tokens, num_decodes, block_table, seq_lens, plan,
+                                 prefill)
+
+
+class ChunkAttnImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 **extra_impl_args):
+        _refuse_inexact(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
+                        kv_cache_dtype, extra_impl_args.get("sinks"))
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        base_backend, self.kv_layout, _ = _platform_base()
+        self.base = base_backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+            **extra_impl_args)
+        self.workspace = TppWorkspace()
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: ChunkAttnMetadata | None,
+                output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_size]; key/value: [num_tokens, num_kv_heads,
+        head_size]; kv_cache: [num_blocks, num_kv_heads, block_size, 2 * head_size] (logical);
+        output: [num_tokens, num_heads, head_size], written in place."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by CUSTOM")
+        if attn_metadata is None:            # profiling / warm-up run
+            return output
+        md = attn_metadata
+        nd = md.num_decodes
+        if nd:
+            key_cache, value_cache = kv_cache_views(kv_cache, self.kv_layout)
+            tpp_decode(query[:nd], key_cache, value_cache, md.decode_block_table,
+                       md.decode_seq_lens, md.plan, self.scale, out=output[:nd],
+                       workspace=self.workspace)
+        if md.prefill is not None:
+            end = md.num_actual_tokens
+            self.base.forward(layer, query[nd:end], key[nd:end], value[nd:end], kv_cache,
+                              md.prefill, output[nd:end])
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        self.base.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
+def _refuse_inexact(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_cache_dtype,
+                    sinks) -> None:
+    """Start-up refusal of models whose attention TPP decode would not compute exactly."""
+    reasons = []
+    if alibi_slopes is not None:
+        reasons.append("ALiBi position biases")
+    if sliding_window is not None:
+        reasons.append(f"sliding-window attention (window {sliding_window})")
+    if logits_soft_cap:
+        reasons.append(f"logits soft-capping ({logits_soft_cap})")
+    if attn_type != AttentionType.DECODER:
+        reasons.append(f"{attn_type} attention (only decoder self-attention is supported)")
+    if kv_cache_dtype not in ChunkAttnBackend.supported_kv_cache_dtypes:
+        reasons.append(f"quantized KV cache ({kv_cache_dtype})")
+    if sinks is not None:
+        reasons.append("attention sinks")
+    if reasons:
+        raise ValueError("--attention-backend CUSTOM (ChunkAttention) cannot serve this model "
+                         f"exactly: it uses {', '.join(reasons)}. Run without the flag to use "
+                         "vLLM's own attention.")
