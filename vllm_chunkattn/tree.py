@@ -1,0 +1,364 @@
+"""The chunk prefix tree: live sequences share the full chunks (vLLM blocks) of their common prefix,
+and released chunks stay cached for later hits until evicted, leaf first, least recently released first.
+Pure Python over block ids; a chunk is one vLLM block, so `block_id`s go straight into block tables.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+
+
+SharedNode = tuple[tuple[int, ...], tuple[int, ...]]   # (block_ids, batch rows holding them)
+
+
+def _num_blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(slots=True)
+class TreeStats:
+    num_free_blocks: int        # never used, or evicted: no KV worth keeping
+    num_in_use_blocks: int      # held by live sequences (shared chunks count once)
+    num_cached_blocks: int      # ref_count 0 but still matchable; reclaimable by eviction
+    num_hit_tokens: int         # prompt tokens served from the tree by add_sequence
+    num_query_tokens: int       # prompt tokens looked up by add_sequence
+    num_evictions: int
+    num_shared_tokens: int      # sum over chunks of (ref_count - 1) * block_size: KV stored once, used more
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Chunk:
+    """One full block of `block_size` tokens. Hashes by identity, so it can key dicts and sets."""
+    block_id: int
+    token_ids: tuple[int, ...]
+    namespace: Hashable = None  # LoRA adapter / cache_salt: chunks of different namespaces never match
+    parent: Chunk | None = None
+    children: dict[tuple, Chunk] = field(default_factory=dict)  # listed children by key: O(1) lookup
+    ref_count: int = 0          # live sequences whose block table holds this chunk
+    last_access: int = 0        # logical time of the last release, for LRU
+    listed: bool = False        # reachable from the root through `children`, i.e. matchable
+
+    @property
+    def key(self) -> tuple:
+        return (self.namespace, self.token_ids)
+
+
+@dataclass(slots=True, eq=False)
+class _SequenceBlocks:
+    namespace: Hashable
+    chunks: list[Chunk]                     # full chunks, root to leaf; chunks[i].parent is chunks[i-1]
+    tail_block_id: int | None = None        # private partial block; None when the length is block-aligned
+    tail_token_ids: list[int] = field(default_factory=list)
+
+
+class ChunkPrefixTree:
+    """A prefix tree of full chunks over a fixed pool of block ids (block 0 is vLLM's null block).
+
+    A chunk is *listed* (matchable) when it hangs under its parent's `children`. Block tables are
+    append-only, so when a sequence fills a block whose content an existing sibling already holds,
+    the sequence keeps its own block: that duplicate, and every chunk the sequence later fills below
+    it, stays unlisted (one match entry per key, as a chained hash would give). Unlisted chunks are
+    still ref-counted and shared by forks, but are freed, not cached, when their last holder goes.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, reserved: Sequence[int] = (0,)):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.reserved = frozenset(reserved)
+        self.pool_size = num_blocks - len(self.reserved)
+        self.seqs: dict[Hashable, _SequenceBlocks] = {}
+        self.num_hit_tokens = self.num_query_tokens = self.num_evictions = self.num_shared_tokens = 0
+        self._clock = 0
+        self._entry_ids = itertools.count()
+        self._clear()
+
+    ##### Public API #####
+
+    def match_prefix(self, token_ids: Sequence[int], namespace: Hashable = None,
+                     max_tokens: int | None = None) -> list[Chunk]:
+        """Longest run of listed full chunks spelling a prefix of token_ids[:max_tokens]. No side effects.
+        vLLM passes max_tokens = num_tokens - 1: the last prompt token is always recomputed."""
+        limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+        node, matched, bs = self.root, [], self.block_size
+        for start in range(0, limit - bs + 1, bs):
+            node = node.children.get((namespace, tuple(token_ids[start:start + bs])))
+            if node is None:
+                break
+            matched.append(node)
+        return matched
+
+    def can_allocate(self, num_blocks: int, pinned: Sequence[Chunk] = ()) -> bool:
+        """Whether num_blocks new blocks fit once `pinned` (this request's matched chunks) are held:
+        cached chunks about to be pinned cannot be evicted to make room for their own request."""
+        num_reclaimable = self.num_cached_blocks - sum(1 for chunk in pinned if chunk.ref_count == 0)
+        return num_blocks <= len(self.free_block_ids) + num_reclaimable
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], namespace: Hashable = None,
+                     max_shared_tokens: int | None = None) -> int | None:
+        """Admit a sequence: share its longest cached prefix (at most max_shared_tokens), allocate
+        blocks for the rest. Returns the number of shared (already computed) tokens, or None, with
+        no effect at all, when the pool cannot hold it."""
+        assert seq_id not in self.seqs and len(token_ids) > 0, seq_id
+        matched = self.match_prefix(token_ids, namespace, max_shared_tokens)
+        num_shared_tokens = len(matched) * self.block_size
+        num_new_blocks = _num_blocks_for(len(token_ids), self.block_size) - len(matched)
+        if not self.can_allocate(num_new_blocks, matched):
+            return None
+        for chunk in matched:               # pin before allocating: the allocation may evict
+            self._pin(chunk)
+        seq = self.seqs[seq_id] = _SequenceBlocks(namespace, matched)
+        self._fill(seq, token_ids[num_shared_tokens:],
+                   [self._allocate_block() for _ in range(num_new_blocks)])
+        self.num_hit_tokens += num_shared_tokens
+        self.num_query_tokens += len(token_ids)
+        return num_shared_tokens
+
+    insert = add_sequence                   # SGLang's verb
+
+    def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[int] | None:
+        """Append decoded tokens. Returns the newly allocated block ids (one per block boundary
+        crossed), or None, with no effect, when the pool cannot hold them."""
+        seq = self.seqs[seq_id]
+        num_new_blocks = (_num_blocks_for(len(seq.tail_token_ids) + len(token_ids), self.block_size)
+                          - (seq.tail_block_id is not None))
+        if not self.can_allocate(num_new_blocks):
+            return None
+        new_block_ids = [self._allocate_block() for _ in range(num_new_blocks)]
+        self._fill(seq, token_ids, new_block_ids)
+        return new_block_ids
+
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> list[tuple[int, int]] | None:
+        """Start child_seq_id as a copy of parent_seq_id (n > 1, beam search). Full chunks are shared;
+        the partial tail is copied on write. Returns the (src, dst) block copies the caller must do,
+        or None, with no effect, when no block is left for the tail."""
+        parent = self.seqs[parent_seq_id]
+        assert child_seq_id not in self.seqs, child_seq_id
+        has_tail = parent.tail_block_id is not None
+        if has_tail and not self.can_allocate(1):
+            return None
+        for chunk in parent.chunks:
+            self._pin(chunk)
+        child = self.seqs[child_seq_id] = _SequenceBlocks(parent.namespace, list(parent.chunks))
+        if not has_tail:
+            return []
+        child.tail_block_id = self._allocate_block()
+        child.tail_token_ids = list(parent.tail_token_ids)
+        return [(parent.tail_block_id, child.tail_block_id)]
+
+    def release(self, seq_id: Hashable) -> None:
+        """A sequence finished, was aborted or preempted: its listed chunks stay cached, the rest is freed."""
+        seq = self.seqs.pop(seq_id)
+        self._clock += 1
+        if seq.tail_block_id is not None:   # never matchable: reuse it first, like vLLM's unhashed blocks
+            self.free_block_ids.appendleft(seq.tail_block_id)
+        for chunk in reversed(seq.chunks):  # leaf first, as vLLM frees a request's blocks
+            chunk.last_access = self._clock
+            self._unpin(chunk)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to num_blocks cached chunks, leaf first, least recently released first.
+        Returns the evicted block ids (now free)."""
+        evicted = []
+        while len(evicted) < num_blocks and self._evictable:
+            _, entry_id, chunk = heapq.heappop(self._evict_heap)
+            if self._evictable.get(chunk) != entry_id:
+                continue                    # stale entry: the chunk was pinned since it was pushed
+            del self._evictable[chunk]
+            parent = chunk.parent
+            del parent.children[chunk.key]
+            chunk.listed, chunk.parent = False, None
+            self.num_cached_blocks -= 1
+            self.num_evictions += 1
+            self.free_block_ids.append(chunk.block_id)
+            evicted.append(chunk.block_id)
+            if parent is not self.root and parent.ref_count == 0 and not parent.children:
+                self._push_evictable(parent)
+        return evicted
+
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache: refuse while any block is in use, else drop every cached chunk."""
+        if self.pool_size - len(self.free_block_ids) - self.num_cached_blocks > 0:
+            return False
+        self._clear()
+        return True
+
+    def block_ids(self, seq_id: Hashable) -> list[int]:
+        """The sequence's block table row: full chunks, then the partial tail if any."""
+        seq = self.seqs[seq_id]
+        tail = [] if seq.tail_block_id is None else [seq.tail_block_id]
+        return [chunk.block_id for chunk in seq.chunks] + tail
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        seq = self.seqs[seq_id]
+        return len(seq.chunks) * self.block_size + len(seq.tail_token_ids)
+
+    def dfs_order(self) -> list[Hashable]:
+        """Live sequences in a DFS order of the tree (children by block id): sharers are adjacent."""
+        return sorted(self.seqs, key=lambda seq_id: [chunk.block_id for chunk in self.seqs[seq_id].chunks])
+
+    def sharing_groups(self, seq_ids: Sequence[Hashable]) -> tuple[list[SharedNode], list[int]]:
+        """The sharing structure build_plan derives from these sequences' block tables (row i = seq_ids[i]).
+
+        Returns (nodes, seq_num_shared_blocks): a node is (block_ids, rows), a maximal run of chunks
+        held by the same >= 2 rows; seq_num_shared_blocks[i] is the first private column of row i.
+        Cost: O(chunks of the batch).
+        """
+        holders: dict[Chunk, list[int]] = {}
+        for row, seq_id in enumerate(seq_ids):
+            for chunk in self.seqs[seq_id].chunks:
+                holders.setdefault(chunk, []).append(row)
+        nodes, seq_num_shared_blocks, emitted = [], [], set()
+        for seq_id in seq_ids:
+            chunks = self.seqs[seq_id].chunks
+            num_shared = 0
+            while num_shared < len(chunks) and len(holders[chunks[num_shared]]) >= 2:
+                num_shared += 1
+            seq_num_shared_blocks.append(num_shared)
+            # Holder sets only shrink along a path (a child's holders hold its parent), so a run of
+            # equal holder counts is a run of equal holder sets.
+            start = 0
+            for end in range(1, num_shared + 1):
+                if end < num_shared and len(holders[chunks[end]]) == len(holders[chunks[start]]):
+                    continue
+                if chunks[start] not in emitted:
+                    emitted.add(chunks[start])
+                    block_ids = tuple(chunk.block_id for chunk in chunks[start:end])
+                    nodes.append((block_ids, tuple(holders[chunks[start]])))
+                start = end
+        return nodes, seq_num_shared_blocks
+
+    def stats(self) -> TreeStats:
+        num_free = len(self.free_block_ids)
+        return TreeStats(num_free, self.pool_size - num_free - self.num_cached_blocks,
+                         self.num_cached_blocks, self.num_hit_tokens, self.num_query_tokens,
+                         self.num_evictions, self.num_shared_tokens)
+
+    def check_invariants(self) -> None:
+        """Recount everything from scratch (O(tree), for tests) and assert it matches the counters."""
+        expected_refs: dict[Chunk, int] = {}
+        owners: dict[int, object] = {}
+
+        def claim(block_id: int, owner: object) -> None:
+            assert 0 <= block_id < self.num_blocks and block_id not in self.reserved, block_id
+            assert block_id not in owners, f"block {block_id} held by {owners[block_id]} and {owner}"
+            owners[block_id] = owner
+
+        for seq_id, seq in self.seqs.items():
+            parent = self.root
+            for chunk in seq.chunks:
+                assert chunk.parent is parent, f"{seq_id}: chunk {chunk.block_id} off its parent"
+                assert len(chunk.token_ids) == self.block_size and chunk.namespace == seq.namespace
+                expected_refs[chunk] = expected_refs.get(chunk, 0) + 1
+                parent = chunk
+            assert len(seq.tail_token_ids) < self.block_size
+            assert (seq.tail_block_id is None) == (not seq.tail_token_ids), seq_id
+            if seq.tail_block_id is not None:
+                claim(seq.tail_block_id, ("tail", seq_id))
+        listed, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                assert child.parent is node and child.key == key and child.listed, "misfiled chunk"
+                listed.append(child)
+                stack.append(child)
+        listed_set = set(listed)
+        for chunk in listed_set | set(expected_refs):
+            assert chunk.ref_count == expected_refs.get(chunk, 0), f"chunk {chunk.block_id} ref_count"
+            assert chunk.listed == (chunk in listed_set), f"chunk {chunk.block_id} listed flag"
+            assert chunk.listed or chunk.ref_count > 0, f"unlisted chunk {chunk.block_id} not freed"
+            claim(chunk.block_id, chunk)
+        cached = [chunk for chunk in listed if chunk.ref_count == 0]
+        assert self.num_cached_blocks == len(cached)
+        assert set(self._evictable) == {chunk for chunk in cached if not chunk.children}
+        for block_id in self.free_block_ids:
+            claim(block_id, "free")
+        assert len(owners) == self.pool_size, "free + in_use + cached != pool"
+        assert self.num_shared_tokens == self.block_size * sum(n - 1 for n in expected_refs.values())
+
+    ##### Internal Helper Functions #####
+
+    def _clear(self) -> None:
+        self.root = Chunk(-1, (), ref_count=1, listed=True)     # root is pinned, never evicted
+        self.free_block_ids = deque(b for b in range(self.num_blocks) if b not in self.reserved)
+        self.num_cached_blocks = 0
+        self._evictable: dict[Chunk, int] = {}  # ref-0 listed chunks without children -> live heap entry
+        self._evict_heap: list[tuple[int, int, Chunk]] = []  # (last_access, entry_id, chunk), lazily pruned
+
+    def _allocate_block(self) -> int:
+        if not self.free_block_ids:
+            self.evict(1)
+        return self.free_block_ids.popleft()
+
+    def _fill(self, seq: _SequenceBlocks, token_ids: Sequence[int], new_block_ids: list[int]) -> None:
+        new_blocks = iter(new_block_ids)
+        pos = 0
+        while pos < len(token_ids):
+            if seq.tail_block_id is None:
+                seq.tail_block_id = next(new_blocks)
+            num_taken = self.block_size - len(seq.tail_token_ids)
+            seq.tail_token_ids.extend(token_ids[pos:pos + num_taken])
+            pos += num_taken
+            if len(seq.tail_token_ids) == self.block_size:
+                self._seal_tail(seq)
+        assert next(new_blocks, None) is None, "allocated more blocks than filled"
+
+    def _seal_tail(self, seq: _SequenceBlocks) -> None:
+        """The tail block just became full: it turns into a chunk, listed unless it duplicates one."""
+        parent = seq.chunks[-1] if seq.chunks else self.root
+        chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), seq.namespace, parent, ref_count=1)
+        if parent.listed and chunk.key not in parent.children:
+            parent.children[chunk.key] = chunk
+            chunk.listed = True
+        seq.chunks.append(chunk)
+        seq.tail_block_id, seq.tail_token_ids = None, []
+
+    def _pin(self, chunk: Chunk) -> None:
+        if chunk.ref_count == 0:            # a cached chunk comes back into use
+            self.num_cached_blocks -= 1
+            self._evictable.pop(chunk, None)
+        else:
+            self.num_shared_tokens += self.block_size
+        chunk.ref_count += 1
+
+    def _unpin(self, chunk: Chunk) -> None:
+        chunk.ref_count -= 1
+        if chunk.ref_count > 0:
+            self.num_shared_tokens -= self.block_size
+        elif chunk.listed:
+            self.num_cached_blocks += 1
+            if not chunk.children:
+                self._push_evictable(chunk)
+        else:                               # unreachable by match_prefix: caching it would only leak
+            chunk.parent = None
+            self.free_block_ids.appendleft(chunk.block_id)
+
+    def _push_evictable(self, chunk: Chunk) -> None:
+        if len(self._evict_heap) > 2 * len(self._evictable) + 64:     # drop stale entries, amortized O(1)
+            self._evict_heap = [(c.last_access, e, c) for c, e in self._evictable.items()]
+            heapq.heapify(self._evict_heap)
+        entry_id = next(self._entry_ids)
+        self._evictable[chunk] = entry_id
+        heapq.heappush(self._evict_heap, (chunk.last_access, entry_id, chunk))
+
+
+if __name__ == "__main__":
+    tree = ChunkPrefixTree(num_blocks=16, block_size=4)
+    system = list(range(100, 108))                      # an 8-token system prompt: two full chunks
+    tree.add_sequence("a", system + [1, 2, 3])
+    print("b hit tokens:", tree.add_sequence("b", system + [7, 8, 9, 10, 11]))
+    print("fork copies:", tree.fork("a", "a2"))
+    for seq_id in tree.dfs_order():
+        print(seq_id, tree.block_ids(seq_id))
+    print("groups:", tree.sharing_groups(tree.dfs_order()))
+    for seq_id in ("a", "a2", "b"):
+        tree.release(seq_id)
+    print(tree.stats())
+    print("evicted:", tree.evict(2))
+    tree.check_invariants()
