@@ -1,0 +1,255 @@
+// The attend kernel (tpp_attend.h) written once over an ISA struct of vec_isa.h. Include after the
+// target pragma, inside an anonymous namespace (see vec_isa.h).
+//
+// Loop order: KV tiles of kTile tokens outer, query rows inner. A tile is converted once into a
+// dense scratch (K as [head_size][kTile], V as [kTile][head_size]) that stays in L1 while every row
+// passes over it, so KV is read from memory exactly once per call however many rows share it
+// (the chunk-first GEMM shape), and the micro-kernels need no knowledge of the cache layout.
+// Each row keeps its online-softmax state (o, m, l) in the output buffer itself.
+
+constexpr int kTile = 32;     // keys per tile: 2 AVX-512 score vectors per row
+constexpr int kRowTile = 8;   // rows whose scores are live at once (score scratch [8][32])
+
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(Bf16 x) {
+  uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f32(Half x) {
+#if defined(CHUNKATTN_ISA_SCALAR)
+  // IEEE half -> float without F16C: rebias the exponent, renormalise subnormals.
+  uint32_t sign = uint32_t(x.bits & 0x8000) << 16, exp = (x.bits >> 10) & 0x1f, man = x.bits & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400));
+      u = sign | (uint32_t(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+#else
+  return _cvtsh_ss(x.bits);
+#endif
+}
+
+inline int imin(int a, int b) { return a < b ? a : b; }
+
+// Where row r's state lives (see AttendArgs).
+inline float* o_row(const AttendArgs& a, int r, int head_size) {
+  return a.o + (r / a.rows_per_seq) * a.o_seq_stride + (r % a.rows_per_seq) * head_size;
+}
+inline float* m_row(const AttendArgs& a, int r) {
+  return a.m + (r / a.rows_per_seq) * a.ml_seq_stride + r % a.rows_per_seq;
+}
+inline float* l_row(const AttendArgs& a, int r) {
+  return a.l + (r / a.rows_per_seq) * a.ml_seq_stride + r % a.rows_per_seq;
+}
+
+inline void init_states(const AttendArgs& a, int head_size) {
+  for (int r = 0; r < a.num_rows; ++r) {
+    float* o = o_row(a, r, head_size);
+    for (int d = 0; d < head_size; ++d) o[d] = 0.f;
+    *m_row(a, r) = -__builtin_inff();
+    *l_row(a, r) = 0.f;
+  }
+}
+
+// Calls f(i, len, k_base, v_base) for each run of tile tokens [i, i + len) inside one block;
+// k_base/v_base point at the run's first token (kv head applied), in elements of T.
+template <typename T, typename F>
+inline void for_each_block_run(const AttendArgs& a, int t0, int n, F&& f) {
+  const T* kd = static_cast<const T*>(a.k.data);
+  const T* vd = static_cast<const T*>(a.v.data);
+  for (int i = 0; i < n;) {
+    int tok = t0 + i, off = tok % a.block_size;
+    int64_t blk = a.block_ids[tok / a.block_size];
+    int len = imin(a.block_size - off, n - i);
+    f(i, len, kd + blk * a.k.block_stride + a.kv_head * a.k.head_stride + off * a.k.token_stride,
+      vd + blk * a.v.block_stride + a.kv_head * a.v.head_stride + off * a.v.token_stride);
+    i += len;
+  }
+}
+
+// Tile tokens [0, n) -> kf [D][kTile], vf [kTile][D] in fp32; tokens >= n are zero so that a
+// masked key adds 0 * 0 (cache memory past seq_len may hold anything, even NaN).
+template <typename T, int D>
+void pack_tile_f32(const AttendArgs& a, int t0, int n, float* kf, float* vf) {
+  const bool k_transposed = a.k.dim_stride != 1;
+  const int64_t kds = a.k.dim_stride, kts = a.k.token_stride, vts = a.v.token_stride;
+  for_each_block_run<T>(a, t0, n, [&](int i, int len, const T* kb, const T* vb) {
+    if (k_transposed) {  // token_stride == 1: contiguous runs of tokens per dim
+      for (int d = 0; d < D; ++d) {
+        const T* src = kb + d * kds;
+        float* dst = kf + d * kTile + i;
+        for (int j = 0; j < len; ++j) dst[j] = to_f32(src[j]);
+      }
+    } else {
+      for (int j = 0; j < len; ++j) {
+        const T* src = kb + j * kts;
+        for (int d = 0; d < D; ++d) kf[d * kTile + i + j] = to_f32(src[d]);
+      }
+    }
+    for (int j = 0; j < len; ++j) {
+      const T* src = vb + j * vts;
+      float* dst = vf + (i + j) * D;
+      for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
+    }
+  });
+  for (int i = n; i < kTile; ++i) {
+    for (int d = 0; d < D; ++d) kf[d * kTile + i] = 0.f;
+    for (int d = 0; d < D; ++d) vf[i * D + d] = 0.f;
+  }
+}
+
+// s[r][0:kTile] = q[r] . k[t] for RT rows (unscaled).
+template <class I, int D, int RT>
+inline void qk_block_f32(const float* q, const float* kf, float* s) {
+  using reg = typename I::reg;
+  constexpr int NV = kTile / I::W;
+  reg acc[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = I::zero();
+  for (int d = 0; d < D; ++d) {
+    reg kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = I::load(kf + d * kTile + j * I::W);
+    for (int r = 0; r < RT; ++r) {
+      reg qb = I::set1(q[r * D + d]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = I::fma(qb, kv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NV; ++j) I::store(s + r * kTile + j * I::W, acc[r][j]);
+}
+
+// Rows in blocks of RT, the remainder by halving RT (RT is a power of two).
+template <class I, int D, int RT>
+inline void qk_rows_f32(const float* q, const float* kf, float* s, int rows) {
+  for (; rows >= RT; rows -= RT, q += RT * D, s += RT * kTile) qk_block_f32<I, D, RT>(q, kf, s);
+  if constexpr (RT > 1) {
+    if (rows > 0) qk_rows_f32<I, D, RT / 2>(q, kf, s, rows);
+  }
+}
+
+// Online-softmax step of rows r0..r0+rt over one tile: scores s (raw dot products) become
+// p = exp(scale * s - m_new) in place (0 for t >= n), alpha[r] = exp(m_old - m_new) is the factor
+// the caller applies to o, and m, l are updated. n >= 1, so m_new is finite.
+template <class I>
+inline void softmax_tile(const AttendArgs& a, int r0, int rt, int n, float* s, float* alpha) {
+  using reg = typename I::reg;
+  constexpr int NV = kTile / I::W;
+  const reg scale = I::set1(a.scale);
+  for (int r = 0; r < rt; ++r) {
+    float* row = s + r * kTile;
+    reg x[NV];
+    reg mx = I::set1(-__builtin_inff());
+    for (int j = 0; j < NV; ++j) I::store(row + j * I::W, I::mul(I::load(row + j * I::W), scale));
+    for (int t = n; t < kTile; ++t) row[t] = -__builtin_inff();
+    for (int j = 0; j < NV; ++j) {
+      x[j] = I::load(row + j * I::W);
+      mx = I::max(mx, x[j]);
+    }
+    float* m = m_row(a, r0 + r);
+    float* l = l_row(a, r0 + r);
+    float m_tile = I::reduce_max(mx);
+    float m_new = m_tile > *m ? m_tile : *m;
+    alpha[r] = expf(*m - m_new);  // first tile: exp(-inf) = 0 wipes the zero-initialised o
+    reg mn = I::set1(m_new), sum = I::zero();
+    for (int j = 0; j < NV; ++j) {
+      reg p = I::exp(I::sub(x[j], mn));
+      I::store(row + j * I::W, p);
+      sum = I::add(sum, p);
+    }
+    *l = *l * alpha[r] + I::reduce_add(sum);
+    *m = m_new;
+  }
+}
+
+// o[r] = alpha[r] * o[r] + p[r] . V for RP rows.
+template <class I, int D, int RP>
+inline void pv_block_f32(const float* p, const float* alpha, const float* vf, float* const* o) {
+  using reg = typename I::reg;
+  constexpr int NV = D / I::W;
+  constexpr int DB = NV < I::kPvVecs ? NV : I::kPvVecs;
+  for (int c0 = 0; c0 < NV; c0 += DB) {
+    reg acc[RP][DB];
+    for (int r = 0; r < RP; ++r) {
+      reg al = I::set1(alpha[r]);
+      for (int j = 0; j < DB; ++j) acc[r][j] = I::mul(I::load(o[r] + (c0 + j) * I::W), al);
+    }
+    for (int t = 0; t < kTile; ++t) {
+      reg pb[RP];
+      for (int r = 0; r < RP; ++r) pb[r] = I::set1(p[r * kTile + t]);
+      for (int j = 0; j < DB; ++j) {
+        reg v = I::load(vf + t * D + (c0 + j) * I::W);
+        for (int r = 0; r < RP; ++r) acc[r][j] = I::fma(pb[r], v, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < RP; ++r)
+      for (int j = 0; j < DB; ++j) I::store(o[r] + (c0 + j) * I::W, acc[r][j]);
+  }
+}
+
+template <class I, int D, int RP>
+inline void pv_rows_f32(const float* p, const float* alpha, const float* vf, float* const* o,
+                        int rows) {
+  for (; rows >= RP; rows -= RP, p += RP * kTile, alpha += RP, o += RP)
+    pv_block_f32<I, D, RP>(p, alpha, vf, o);
+  if constexpr (RP > 1) {
+    if (rows > 0) pv_rows_f32<I, D, RP / 2>(p, alpha, vf, o, rows);
+  }
+}
+
+template <class I, typename T, int D>
+void attend_f32(const AttendArgs& a) {
+  alignas(64) float kf[D * kTile];
+  alignas(64) float vf[kTile * D];
+  alignas(64) float s[kRowTile * kTile];
+  float alpha[kRowTile];
+  float* o[kRowTile];
+  const float* q = static_cast<const float*>(a.q);
+  init_states(a, D);
+  for (int t0 = 0; t0 < a.num_tokens; t0 += kTile) {
+    const int n = imin(kTile, a.num_tokens - t0);
+    pack_tile_f32<T, D>(a, t0, n, kf, vf);
+    for (int r0 = 0; r0 < a.num_rows; r0 += kRowTile) {
+      const int rt = imin(kRowTile, a.num_rows - r0);
+      qk_rows_f32<I, D, I::kQkRows>(q + r0 * D, kf, s, rt);
+      softmax_tile<I>(a, r0, rt, n, s, alpha);
+      for (int r = 0; r < rt; ++r) o[r] = o_row(a, r0 + r, D);
+      pv_rows_f32<I, D, I::kPvRows>(s, alpha, vf, o, rt);
+    }
+  }
+}
+
+template <class I, int D>
+void attend_f32_any_dtype(const AttendArgs& a) {
+  switch (a.dtype) {
+    case KvDtype::kFloat32: return attend_f32<I, float, D>(a);
+    case KvDtype::kFloat16: return attend_f32<I, Half, D>(a);
+    case KvDtype::kBFloat16: return attend_f32<I, Bf16, D>(a);
+  }
+}
+
+template <class I>
+AttendFn attend_f32_for_head_size(int head_size) {
+  switch (head_size) {
+    case 64: return &attend_f32_any_dtype<I, 64>;
+    case 128: return &attend_f32_any_dtype<I, 128>;
+    case 256: return &attend_f32_any_dtype<I, 256>;
+    default: return nullptr;
+  }
+}

@@ -1,0 +1,49 @@
+// The one inner operation of both TPP phases, framework-free: many query rows of one kv head
+// attend to a run of paged KV tokens, producing unnormalised (o, m, l) softmax states.
+// Implemented once per ISA (attend_*.cpp, each compiled for its own target) and chosen at run time
+// by tpp_decode.cpp, so one binary runs on any x86-64 CPU.
+#pragma once
+
+#include <cstdint>
+
+namespace chunkattn_cpu {
+
+enum class KvDtype : int { kFloat32, kFloat16, kBFloat16 };
+
+// One of key_cache / value_cache as [num_blocks, block_size, num_kv_heads, head_size], strides in
+// elements. K is read with token_stride == 1 (CPU_ATTN, K^T per block and head) or
+// dim_stride == 1 (flash); V always with dim_stride == 1.
+struct KvCacheView {
+  const void* data;
+  int64_t block_stride, token_stride, head_stride, dim_stride;
+};
+
+struct AttendArgs {
+  KvCacheView k, v;
+  KvDtype dtype;
+  int block_size;
+  int kv_head;
+  const int32_t* block_ids;  // blocks covering num_tokens, in token order (last may be partial)
+  int num_tokens;            // may be 0: the state is then empty (o = 0, m = -inf, l = 0)
+  const void* q;             // [num_rows, head_size] dense: bf16 for the *_bf16 kernel, else fp32
+  int num_rows;
+  float scale;
+  // Output state of row r lives at o + (r / rows_per_seq) * o_seq_stride + (r % rows_per_seq) *
+  // head_size, and m/l + (r / rows_per_seq) * ml_seq_stride + r % rows_per_seq: the GQA group of
+  // one sequence is contiguous, sequences are strided (the partial_o/m/l workspace layout).
+  float* o;
+  float* m;
+  float* l;
+  int rows_per_seq;
+  int64_t o_seq_stride, ml_seq_stride;
+};
+
+using AttendFn = void (*)(const AttendArgs&);
+
+// Each returns nullptr for a head size it was not built for. The caller checks the CPU first.
+AttendFn attend_avx512_bf16(int head_size);  // bf16 KV + bf16 q, block_size % 16 == 0
+AttendFn attend_avx512(int head_size);       // any KV dtype, fp32 q
+AttendFn attend_avx2(int head_size);
+AttendFn attend_scalar(int head_size);
+
+}  // namespace chunkattn_cpu

@@ -1,0 +1,315 @@
+// chunkattn::tpp_decode on CPU: argument checks, the run-time ISA choice, and the two phases over
+// the plan (vllm_chunkattn/plan.py) as parallel loops of independent work items, each one call of
+// the attend kernel (tpp_attend.h). Matches vllm_chunkattn/ops/reference.py::tpp_decode_reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../softmax_state.h"
+#include "tpp_attend.h"
+
+namespace chunkattn_cpu {
+namespace {
+
+struct Kernel {
+  AttendFn fn = nullptr;
+  bool q_bf16 = false;  // the kernel takes bf16 query rows, else fp32
+};
+
+// The best kernel this CPU runs. CHUNKATTN_CPU_ISA=avx512_bf16|avx512|avx2|scalar restricts the
+// choice to one, so tests cover the fallbacks on a machine that has them all.
+Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t block_size,
+                     int64_t head_size) {
+  const char* env = std::getenv("CHUNKATTN_CPU_ISA");
+  const std::string want = env ? env : "";
+  auto allowed = [&](const char* name) { return want.empty() || want == name; };
+  bool avx512 = false, avx512_bf16 = false, avx2 = false;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  const int hs = static_cast<int>(head_size);
+  if (allowed("avx512_bf16") && avx512_bf16 && kv_dtype == at::kBFloat16 &&
+      q_dtype == at::kBFloat16 && block_size % 16 == 0) {
+    if (AttendFn fn = attend_avx512_bf16(hs)) return {fn, true};
+  }
+  if (allowed("avx512") && avx512) {
+    if (AttendFn fn = attend_avx512(hs)) return {fn, false};
+  }
+  if (allowed("avx2") && avx2) {
+    if (AttendFn fn = attend_avx2(hs)) return {fn, false};
+  }
+  if (allowed("scalar")) {
+    if (AttendFn fn = attend_scalar(hs)) return {fn, false};
+  }
+  TORCH_CHECK(false, "tpp_decode: no CPU kernel for head_size ", head_size,
+              " (supported: 64, 128, 256)",
+              want.empty() ? std::string() : " with CHUNKATTN_CPU_ISA=" + want);
+}
+
+KvDtype kv_dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KvDtype::kFloat32;
+    case at::kHalf: return KvDtype::kFloat16;
+    case at::kBFloat16: return KvDtype::kBFloat16;
+    default: TORCH_CHECK(false, "tpp_decode: key_cache dtype must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+KvCacheView view_of(const at::Tensor& t) {
+  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "tpp_decode: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dims, "tpp_decode: ", name, " must have ", dims, " dims, got ", t.dim());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, "tpp_decode: ", name, " must be dense in its last dim");
+  TORCH_CHECK(dims == 1 || t.numel() == 0 || t.stride(0) >= t.size(1), "tpp_decode: ", name, " rows overlap");
+}
+
+// A CSR offsets array: starts at 0, never decreases, ends at `total`.
+void check_indptr(const int32_t* p, int64_t n, int64_t total, const char* name) {
+  TORCH_CHECK(p[0] == 0 && p[n] == total, "tpp_decode: ", name, " must run from 0 to ", total);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] <= p[i + 1], "tpp_decode: ", name, " decreases at ", i);
+}
+
+void check_range(const int32_t* p, int64_t n, int64_t hi, const char* name) {
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < hi, "tpp_decode: ", name, "[", i, "] = ", p[i], " not in [0, ", hi, ")");
+}
+
+template <typename T>
+void store_out_row(void* dst, const float* o, float inv_l, int64_t head_size) {
+  T* d = static_cast<T*>(dst);
+  for (int64_t i = 0; i < head_size; ++i) d[i] = static_cast<T>(o[i] * inv_l);
+}
+
+// Runs f(item, thread) for items [0, n) on torch's intra-op threads, handing items out one at a time:
+// work items differ widely in size (node length x sharers), so a static split would idle threads.
+template <typename F>
+void parallel_items(int64_t n, int num_threads, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(num_threads, std::max<int64_t>(n, 1)), 1,
+                   [&](int64_t, int64_t) {
+                     const int tid = at::get_thread_num();
+                     for (int64_t w; (w = next.fetch_add(1)) < n;) f(w, tid);
+                   });
+}
+
+void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& block_table,
+                    const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
+                    const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr,
+                    const at::Tensor& node_seq_ids, const at::Tensor& seq_partial_indptr,
+                    const at::Tensor& seq_partial_ids, const at::Tensor& seq_num_shared_blocks,
+                    const at::Tensor& partial_o, const at::Tensor& partial_m,
+                    const at::Tensor& partial_l, double scale, const at::Tensor& out,
+                    const std::optional<at::Tensor>& lse) {
+  // ---- arguments
+  TORCH_CHECK(query.dim() == 3, "tpp_decode: query must be [num_seqs, num_heads, head_size], got ", query.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "tpp_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_size, "tpp_decode: key_cache head_size ", key_cache.size(3),
+              " != query head_size ", head_size);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "tpp_decode: num_heads ", num_heads,
+              " must be a multiple of num_kv_heads ", num_kv_heads);
+  for (const at::Tensor* t : {&query, &out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf || t->scalar_type() == at::kBFloat16,
+                "tpp_decode: query and out must be float32, float16 or bfloat16, got ", t->scalar_type());
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "tpp_decode: value_cache dtype ",
+              value_cache.scalar_type(), " != key_cache dtype ", key_cache.scalar_type());
+  const KvDtype kv_dtype = kv_dtype_of(key_cache);
+  TORCH_CHECK(query.stride(2) == 1, "tpp_decode: query must be dense in head_size");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1,
+              "tpp_decode: out must be [num_seqs, num_heads, head_size] dense in head_size, got ", out.sizes());
+  TORCH_CHECK(key_cache.stride(3) == 1 || key_cache.stride(1) == 1,
+              "tpp_decode: key_cache must have head_size stride 1 (flash layout) or block_size stride 1 "
+              "(CPU_ATTN layout, K^T per block and head), got strides ", key_cache.strides());
+  TORCH_CHECK(value_cache.stride(3) == 1, "tpp_decode: value_cache must have head_size stride 1, got strides ",
+              value_cache.strides());
+  check_index(block_table, "block_table", 2);
+  for (auto [t, name] : {std::pair{&seq_lens, "seq_lens"}, {&node_block_indptr, "node_block_indptr"},
+                         {&node_block_ids, "node_block_ids"}, {&node_seq_indptr, "node_seq_indptr"},
+                         {&node_seq_ids, "node_seq_ids"}, {&seq_partial_indptr, "seq_partial_indptr"},
+                         {&seq_partial_ids, "seq_partial_ids"}, {&seq_num_shared_blocks, "seq_num_shared_blocks"}})
+    check_index(*t, name, 1);
+  TORCH_CHECK(block_table.size(0) == num_seqs && seq_lens.size(0) == num_seqs &&
+                  seq_num_shared_blocks.size(0) == num_seqs && seq_partial_indptr.size(0) == num_seqs + 1,
+              "tpp_decode: block_table, seq_lens, seq_num_shared_blocks and seq_partial_indptr must have "
+              "num_seqs (+1) = ", num_seqs, " rows");
+  const int64_t num_nodes = node_block_indptr.size(0) - 1;
+  const int64_t num_partials = node_seq_ids.size(0);
+  TORCH_CHECK(num_nodes >= 0 && node_seq_indptr.size(0) == num_nodes + 1,
+              "tpp_decode: node_block_indptr and node_seq_indptr must both have num_nodes + 1 entries");
+  TORCH_CHECK(seq_partial_ids.size(0) == num_partials, "tpp_decode: seq_partial_ids and node_seq_ids must "
+              "both have num_partials entries");
+  TORCH_CHECK(partial_o.scalar_type() == at::kFloat && partial_o.is_contiguous() && partial_o.dim() == 3 &&
+                  partial_o.size(0) >= num_partials && partial_o.size(1) == num_heads && partial_o.size(2) == head_size,
+              "tpp_decode: partial_o must be contiguous float32 [>= ", num_partials, ", ", num_heads, ", ",
+              head_size, "], got ", partial_o.scalar_type(), " ", partial_o.sizes());
+  for (const at::Tensor* t : {&partial_m, &partial_l})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) >= num_partials && t->size(1) == num_heads,
+                "tpp_decode: partial_m and partial_l must be contiguous float32 [>= ", num_partials, ", ",
+                num_heads, "], got ", t->sizes());
+  if (lse.has_value())
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == num_seqs &&
+                    lse->size(1) == num_heads,
+                "tpp_decode: lse must be float32 [", num_seqs, ", ", num_heads, "], got ", lse->sizes());
+
+  // ---- the plan must stay inside the cache and the workspace (checked once, O(plan size))
+  const int32_t* nb = node_block_indptr.data_ptr<int32_t>();
+  const int32_t* nbi = node_block_ids.data_ptr<int32_t>();
+  const int32_t* ns = node_seq_indptr.data_ptr<int32_t>();
+  const int32_t* nsi = node_seq_ids.data_ptr<int32_t>();
+  const int32_t* sp = seq_partial_indptr.data_ptr<int32_t>();
+  const int32_t* spi = seq_partial_ids.data_ptr<int32_t>();
+  const int32_t* ssb = seq_num_shared_blocks.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0), max_blocks = block_table.size(1);
+  check_indptr(nb, num_nodes, node_block_ids.size(0), "node_block_indptr");
+  check_indptr(ns, num_nodes, num_partials, "node_seq_indptr");
+  check_indptr(sp, num_seqs, num_partials, "seq_partial_indptr");
+  check_range(nbi, node_block_ids.size(0), num_blocks, "node_block_ids");
+  check_range(nsi, num_partials, num_seqs, "node_seq_ids");
+  check_range(spi, num_partials, num_partials, "seq_partial_ids");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t used = (int64_t(lens[i]) + block_size - 1) / block_size;
+    TORCH_CHECK(lens[i] >= 0 && used <= max_blocks, "tpp_decode: seq_lens[", i, "] = ", lens[i],
+                " needs more than the ", max_blocks, " blocks of block_table");
+    TORCH_CHECK(ssb[i] >= 0 && int64_t(ssb[i]) * block_size <= lens[i], "tpp_decode: seq_num_shared_blocks[", i,
+                "] = ", ssb[i], " exceeds seq_lens[", i, "] = ", lens[i]);
+    check_range(bt + i * bt_stride + ssb[i], used - ssb[i], num_blocks, "block_table row");
+  }
+  if (num_seqs == 0) return;
+
+  // ---- kernel, query rows in the kernel's dtype, per-thread scratch
+  const Kernel kernel = choose_kernel(key_cache.scalar_type(), query.scalar_type(), block_size, head_size);
+  const at::Tensor q = kernel.q_bf16 ? query.contiguous() : query.to(at::kFloat).contiguous();
+  const int64_t q_row_bytes = head_size * (kernel.q_bf16 ? 2 : 4);
+  const char* q_base = static_cast<const char*>(q.data_ptr());
+  const int64_t group = num_heads / num_kv_heads;
+
+  // Chunk-first work items: (node, kv head, sharer range). Few items (one long prefix, few kv
+  // heads) are split by sharers so every thread works; each part re-reads the node's KV, from L2/L3.
+  struct NodeItem { int64_t node, kv_head, begin, end, cost; };
+  const int num_threads = at::get_num_threads();
+  const int64_t min_items = 4 * num_threads;
+  const int64_t base_items = num_nodes * num_kv_heads;
+  const int64_t min_sharers = std::max<int64_t>(1, (16 + group - 1) / group);  // >= 16 rows a part
+  std::vector<NodeItem> items;
+  int64_t max_rows = group;
+  for (int64_t n = 0; n < num_nodes; ++n) {
+    const int64_t sharers = ns[n + 1] - ns[n];
+    const int64_t parts = base_items >= min_items ? 1 : (min_items + base_items - 1) / base_items;
+    const int64_t step = std::max(min_sharers, (sharers + parts - 1) / parts);
+    const int64_t tokens = int64_t(nb[n + 1] - nb[n]) * block_size;
+    for (int64_t b = ns[n]; b < ns[n + 1]; b += step) {
+      const int64_t e = std::min<int64_t>(b + step, ns[n + 1]);
+      max_rows = std::max(max_rows, (e - b) * group);
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({n, h, b, e, tokens * (e - b)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const NodeItem& x, const NodeItem& y) { return x.cost > y.cost; });
+
+  // Per thread: query rows [max_rows][head_size], then the sequence-first state o [group][head_size], m, l.
+  const int64_t q_scratch = (max_rows * q_row_bytes + 63) / 64 * 64;
+  const int64_t thread_bytes = q_scratch + (group * head_size + 2 * group) * 4 + 64;
+  std::vector<char> scratch(static_cast<size_t>(thread_bytes * num_threads) + 64);
+  char* scratch_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
+
+  AttendArgs proto{};
+  proto.k = view_of(key_cache);
+  proto.v = view_of(value_cache);
+  proto.dtype = kv_dtype;
+  proto.block_size = static_cast<int>(block_size);
+  proto.scale = static_cast<float>(scale);
+  proto.rows_per_seq = static_cast<int>(group);
+  float* po = partial_o.data_ptr<float>();
+  float* pm = partial_m.data_ptr<float>();
+  float* pl = partial_l.data_ptr<float>();
+
+  // ---- phase 1, chunk-first: all rows of a node's sharers against its KV, read once
+  parallel_items(static_cast<int64_t>(items.size()), num_threads, [&](int64_t w, int tid) {
+    const NodeItem& it = items[w];
+    char* qrows = scratch_base + tid * thread_bytes;
+    for (int64_t j = it.begin; j < it.end; ++j)
+      for (int64_t g = 0; g < group; ++g)
+        std::memcpy(qrows + ((j - it.begin) * group + g) * q_row_bytes,
+                    q_base + (nsi[j] * num_heads + it.kv_head * group + g) * q_row_bytes, q_row_bytes);
+    AttendArgs a = proto;
+    a.kv_head = static_cast<int>(it.kv_head);
+    a.block_ids = nbi + nb[it.node];
+    a.num_tokens = static_cast<int>((nb[it.node + 1] - nb[it.node]) * block_size);
+    a.q = qrows;
+    a.num_rows = static_cast<int>((it.end - it.begin) * group);
+    a.o = po + (it.begin * num_heads + it.kv_head * group) * head_size;
+    a.m = pm + it.begin * num_heads + it.kv_head * group;
+    a.l = pl + it.begin * num_heads + it.kv_head * group;
+    a.o_seq_stride = num_heads * head_size;
+    a.ml_seq_stride = num_heads;
+    kernel.fn(a);
+  });
+
+  // ---- phase 2, sequence-first: each row's private tail, merged with its partials, normalised
+  char* out_base = static_cast<char*>(out.data_ptr());
+  const int64_t out_esz = out.element_size();
+  float* lse_base = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  parallel_items(num_seqs * num_kv_heads, num_threads, [&](int64_t w, int tid) {
+    const int64_t i = w / num_kv_heads, h = w % num_kv_heads;
+    char* qrows = scratch_base + tid * thread_bytes;
+    float* so = reinterpret_cast<float*>(qrows + q_scratch);
+    float* sm = so + group * head_size;
+    float* sl = sm + group;
+    std::memcpy(qrows, q_base + (i * num_heads + h * group) * q_row_bytes, group * q_row_bytes);
+    AttendArgs a = proto;
+    a.kv_head = static_cast<int>(h);
+    a.block_ids = bt + i * bt_stride + ssb[i];
+    a.num_tokens = static_cast<int>(lens[i] - int64_t(ssb[i]) * block_size);
+    a.q = qrows;
+    a.num_rows = static_cast<int>(group);
+    a.o = so;
+    a.m = sm;
+    a.l = sl;
+    a.o_seq_stride = group * head_size;
+    a.ml_seq_stride = group;
+    kernel.fn(a);
+    for (int64_t k = sp[i]; k < sp[i + 1]; ++k) {
+      const int64_t row = int64_t(spi[k]) * num_heads + h * group;
+      for (int64_t g = 0; g < group; ++g)
+        softmax_state_merge(so + g * head_size, sm + g, sl + g, po + (row + g) * head_size, pm[row + g],
+                            pl[row + g], static_cast<int>(head_size));
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t hh = h * group + g;
+      void* dst = out_base + (i * out.stride(0) + hh * out.stride(1)) * out_esz;
+      const float inv_l = softmax_state_inv_l(sl[g]);
+      switch (out.scalar_type()) {
+        case at::kFloat: store_out_row<float>(dst, so + g * head_size, inv_l, head_size); break;
+        case at::kHalf: store_out_row<at::Half>(dst, so + g * head_size, inv_l, head_size); break;
+        default: store_out_row<at::BFloat16>(dst, so + g * head_size, inv_l, head_size); break;
+      }
+      if (lse_base) lse_base[i * lse->stride(0) + hh * lse->stride(1)] = softmax_state_lse(sm[g], sl[g]);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace chunkattn_cpu
+
+TORCH_LIBRARY_IMPL(chunkattn, CPU, m) { m.impl("tpp_decode", &chunkattn_cpu::tpp_decode_cpu); }
