@@ -17,14 +17,29 @@ _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 def _load() -> bool:
     try:
         from .. import _C  # noqa: F401  registers torch.ops.chunkattn.*
+        _register_fake()
         return True
     except ImportError:
         pass
     if torch.cuda.is_available() and _CSRC.is_dir() and os.environ.get("CHUNKATTN_JIT", "1") == "1":
         from .jit_build import load_jit
         load_jit(_CSRC)
+        _register_fake()
         return True
     return False
+
+
+def _register_fake() -> None:
+    """Meta impl for torch.compile / opcheck: tpp_decode only mutates its arguments, returns ().
+    Called from the cached _load, so it runs at most once per process."""
+    if not hasattr(torch.ops.chunkattn, "tpp_decode"):
+        return
+
+    @torch.library.register_fake("chunkattn::tpp_decode")
+    def _(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr, node_block_ids,
+          node_seq_indptr, node_seq_ids, seq_partial_indptr, seq_partial_ids,
+          seq_num_shared_blocks, partial_o, partial_m, partial_l, scale, out, lse):
+        return None
 
 
 def native_ops(device: torch.device):
