@@ -1,0 +1,250 @@
+"""The CUDA TPP kernel (csrc/cuda) against tpp_decode_reference: random trees, fp16/bf16, head
+sizes, GQA, block sizes, forced KV splits, NaN-filled out, batch order, empty plan, CUDA graphs
+(exact and capacity mode), opcheck. Skipped without a CUDA GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_chunkattn.ops.reference import tpp_decode_reference
+from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
+from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+LSE_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=5e-3, rtol=5e-3)}
+HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from vllm_chunkattn.ops.native import native_ops
+    o = native_ops(torch.device("cuda"))
+    assert o is not None, "the CUDA kernel did not build / register"
+    return o
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """Force KV splits (the op reads CHUNKATTN_{CHUNK,SEQ}_SPLITS on every call)."""
+    def set_(chunk: int, seq: int):
+        monkeypatch.setenv("CHUNKATTN_CHUNK_SPLITS", str(chunk))
+        monkeypatch.setenv("CHUNKATTN_SEQ_SPLITS", str(seq))
+    return set_
+
+
+def make_batch(spec, seed=0, **kw):
+    kw = {**TREE_SPECS[spec], **kw}
+    return random_tree_batch(seed, device="cuda", **kw)
+
+
+def workspace(num_slots, num_heads, head_size):
+    num_slots = max(num_slots, 1)
+    return (torch.full((num_slots, num_heads, head_size), float("nan"), device="cuda"),
+            torch.full((num_slots, num_heads), float("nan"), device="cuda"),
+            torch.full((num_slots, num_heads), float("nan"), device="cuda"))
+
+
+def run(ops, b, plan, spare_slots=0, out=None, lse=None):
+    num_seqs, num_heads, head_size = b.query.shape
+    ws = workspace(plan.node_seq_ids.numel() + spare_slots, num_heads, head_size)
+    out = torch.full_like(b.query, float("nan")) if out is None else out
+    lse = torch.full((num_seqs, num_heads), float("nan"), device="cuda") if lse is None else lse
+    ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                   plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
+                   plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
+                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+    return out, lse
+
+
+def check(b, plan, out, lse):
+    ref, ref_lse = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                        b.seq_lens, plan, b.scale, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL[b.query.dtype])
+
+
+def plan_of(b):
+    return build_plan(b.block_table.cpu(), b.seq_lens.cpu(), b.block_size).to("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", sorted(TREE_SPECS))
+def test_tree_specs(ops, spec, dtype):
+    b = make_batch(spec, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=dtype)
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("spec", ["system_prompts", "deep_tree"])
+def test_shapes(ops, spec, block_size, heads, head_size, dtype):
+    b = make_batch(spec, seed=1, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
+                   block_size=block_size, dtype=dtype)
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan))
+
+
+@pytest.mark.parametrize("forced", [(2, 1), (1, 3), (3, 4), (16, 16)])
+@pytest.mark.parametrize("spec", ["single_prefix", "deep_tree", "batch_17"])
+def test_forced_splits(ops, splits, spec, forced):
+    b = make_batch(spec, seed=2, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+                   dtype=torch.float16, max_node_blocks=6, max_private_blocks=6)
+    plan = plan_of(b)
+    splits(*forced)
+    num_seqs = b.query.shape[0]
+    spare = (forced[0] - 1) * plan.num_partials + num_seqs * (forced[1] - 1)
+    check(b, plan, *run(ops, b, plan, spare_slots=spare))
+
+
+def test_long_nodes_default_heuristic(ops):
+    # One long prefix, few rows: the heuristic splits it across CTAs (when the workspace allows).
+    b = random_tree_batch(4, fanouts=[1, 4], max_node_blocks=64, max_private_blocks=40,
+                          num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                          dtype=torch.bfloat16, device="cuda")
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan, spare_slots=4096))
+    check(b, plan, *run(ops, b, plan, spare_slots=0))
+
+
+def test_empty_plan(ops):
+    b = make_batch("system_prompts", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    plan = empty_plan(b.query.shape[0]).to("cuda")
+    check(b, plan, *run(ops, b, plan))
+
+
+def test_batch_order_invariance(ops):
+    b = make_batch("deep_tree", seed=5, num_heads=16, num_kv_heads=4, head_size=128,
+                   dtype=torch.float16)
+    out, lse = run(ops, b, plan_of(b))
+    perm = torch.randperm(b.query.shape[0], generator=torch.Generator().manual_seed(0)).cuda()
+    b.query, b.block_table, b.seq_lens = b.query[perm], b.block_table[perm], b.seq_lens[perm]
+    out_p, lse_p = run(ops, b, plan_of(b))
+    torch.testing.assert_close(out_p, out[perm], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(lse_p, lse[perm], atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_fp32(ops):
+    b = make_batch("batch_1", dtype=torch.float32, head_size=64)
+    with pytest.raises(RuntimeError, match="fp16/bf16"):
+        run(ops, b, plan_of(b))
+
+
+def test_cuda_graph_replay(ops):
+    b = make_batch("system_prompts", seed=6, num_heads=32, num_kv_heads=8, head_size=128,
+                   dtype=torch.bfloat16)
+    plan = plan_of(b)
+    num_seqs, num_heads, head_size = b.query.shape
+    ws = workspace(plan.num_partials, num_heads, head_size)
+    out = torch.empty_like(b.query)
+    lse = torch.empty(num_seqs, num_heads, device="cuda")
+
+    def step():
+        ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                       plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
+                       plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
+                       plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                        # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    b.query.copy_(torch.randn_like(b.query))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    check(b, plan, out, lse)
+
+
+def pad_to(plan: TppPlan, num_seqs, node_cap, partial_cap, block_cap, device="cuda") -> TppPlan:
+    """Capacity mode: the plan padded with empty nodes and junk ids to fixed capacities."""
+    def pad(t, n, fill=None):
+        t = t.cpu()
+        extra = n - t.numel()
+        assert extra >= 0
+        v = t[-1:].repeat(extra) if fill is None else torch.full((extra,), fill, dtype=t.dtype)
+        return torch.cat([t, v]).to(device)
+    return TppPlan(num_seqs, node_cap, partial_cap,
+                   pad(plan.node_block_indptr, node_cap + 1), pad(plan.node_block_ids, block_cap, 0),
+                   pad(plan.node_seq_indptr, node_cap + 1), pad(plan.node_seq_ids, partial_cap, 0),
+                   plan.seq_partial_indptr.to(device), pad(plan.seq_partial_ids, partial_cap, 0),
+                   plan.seq_num_shared_blocks.to(device))
+
+
+def test_cuda_graph_capacity_mode(ops):
+    # Capture once with capacity-padded plan buffers, then replay two different trees through
+    # them by copying each step's plan into the static buffers (what a vLLM graph step does).
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16, device="cuda",
+              max_seqs=12, fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2)
+    b1, b2 = random_tree_batch(8, **kw), random_tree_batch(9, **kw)
+    num_seqs = 12
+    assert b1.query.shape[0] == b2.query.shape[0] == num_seqs
+    # One static KV cache (flash layout) whose contents each step copies in, as vLLM's would be.
+    nb = max(b1.key_cache.shape[0], b2.key_cache.shape[0])
+    kv = torch.zeros(nb, b1.block_size, 4, 2 * 128, dtype=torch.float16, device="cuda")
+    key_cache, value_cache = kv[..., :128], kv[..., 128:]
+    caps = dict(num_seqs=num_seqs, node_cap=24, partial_cap=64, block_cap=128)
+    static = pad_to(plan_of(b1), **caps)
+    width = max(b1.block_table.shape[1], b2.block_table.shape[1])
+    bt = torch.zeros(num_seqs, width, dtype=torch.int32, device="cuda")
+    q, sl = b1.query.clone(), b1.seq_lens.clone()
+    ws = workspace(caps["partial_cap"] + 4 * num_seqs, 16, 128)
+    out = torch.empty_like(q)
+    lse = torch.empty(num_seqs, 16, device="cuda")
+
+    def load(b):
+        p = pad_to(plan_of(b), **caps)
+        for name, t in vars(p).items():
+            if isinstance(t, torch.Tensor):
+                getattr(static, name).copy_(t)
+        key_cache[:b.key_cache.shape[0]].copy_(b.key_cache)
+        value_cache[:b.value_cache.shape[0]].copy_(b.value_cache)
+        bt.zero_()
+        bt[:, :b.block_table.shape[1]].copy_(b.block_table)
+        q.copy_(b.query)
+        sl.copy_(b.seq_lens)
+
+    def step():
+        ops.tpp_decode(q, key_cache, value_cache, bt, sl, static.node_block_indptr,
+                       static.node_block_ids, static.node_seq_indptr, static.node_seq_ids,
+                       static.seq_partial_indptr, static.seq_partial_ids,
+                       static.seq_num_shared_blocks, *ws, b1.scale, out, lse)
+    load(b1)
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for b in (b2, b1):
+        load(b)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(b, plan_of(b), out, lse)
+
+
+def test_opcheck(ops):
+    b = make_batch("system_prompts", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    plan = plan_of(b)
+    num_seqs, num_heads, head_size = b.query.shape
+    args = (b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+            plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids,
+            plan.seq_partial_indptr, plan.seq_partial_ids, plan.seq_num_shared_blocks,
+            *workspace(plan.num_partials, num_heads, head_size), b.scale,
+            torch.empty_like(b.query), torch.empty(num_seqs, num_heads, device="cuda"))
+    # Fake/meta impls are registered (if at all) by vllm_chunkattn.ops, not by this kernel.
+    utils = ["test_schema", "test_autograd_registration"]
+    if os.environ.get("CHUNKATTN_OPCHECK_FAKE") == "1":
+        utils.append("test_faketensor")
+    torch.library.opcheck(torch.ops.chunkattn.tpp_decode.default, args, test_utils=utils)
