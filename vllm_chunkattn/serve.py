@@ -7,6 +7,7 @@ Also: ServerProcess, a server on loopback for demos, tests and benchmarks, alway
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import signal
 import socket
@@ -42,6 +43,13 @@ class ServerError(RuntimeError):
     pass
 
 
+# "ValueError: ..." as it appears in vLLM's logs; the wrappers vLLM adds around the real cause
+# ("Engine core initialization failed", "Worker failed with error ...") are skipped.
+_ERROR_LINE = re.compile(r"\b([A-Za-z]+(?:Error|Exception)): (.+)$")
+_WRAPPERS = ("Engine core initialization failed", "Worker failed with error",
+             "See root cause above")
+
+
 class ServerProcess:
     """A vLLM server in a child process group; a context manager that always stops it.
 
@@ -58,6 +66,7 @@ class ServerProcess:
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.log_path = Path(log_path) if log_path else None
         self.lines: deque[str] = deque(maxlen=keep_lines)
+        self.errors: deque[str] = deque(maxlen=20)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -71,8 +80,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                time.sleep(0.5)               # let the drain thread read the last lines
                 raise ServerError(f"server exited with code {self.proc.returncode} during "
-                                  f"start-up; last lines:\n{self.tail()}")
+                                  f"start-up: {self.root_cause()}\nlast lines:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -86,11 +96,18 @@ class ServerProcess:
         log = open(self.log_path, "w") if self.log_path else None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            m = _ERROR_LINE.search(line)
+            if m and not any(w in line for w in _WRAPPERS + (" WARNING ", " INFO ")):
+                self.errors.append(f"{m.group(1)}: {m.group(2).strip()}")
             if log:
                 log.write(line)
                 log.flush()
         if log:
             log.close()
+
+    def root_cause(self) -> str:
+        """The first real error the server logged (not vLLM's wrappers around it)."""
+        return self.errors[0] if self.errors else "(no error line found; see the log)"
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(list(self.lines)[-n:])
