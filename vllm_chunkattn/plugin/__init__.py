@@ -7,8 +7,10 @@ once. It registers the backend class under vLLM's CUSTOM slot; without the flag 
 from __future__ import annotations
 
 import logging
+import os
 
 BACKEND_PATH = "vllm_chunkattn.plugin.backend.ChunkAttnBackend"
+SCHEDULER_PATH = "vllm_chunkattn.plugin.scheduler.ChunkAttnScheduler"
 # A child of vLLM's logger: our lines get vLLM's format and honour its logging config.
 logger = logging.getLogger("vllm.chunkattn")
 _registered = False
@@ -22,6 +24,7 @@ def register() -> None:
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _honour_custom_backend_on_cpu()
+    _use_tree_scheduler_with_custom_backend()
     _registered = True
 
 
@@ -50,3 +53,39 @@ def _honour_custom_backend_on_cpu() -> None:
 
     get_attn_backend_cls._chunkattn_wrapped = True
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def _use_tree_scheduler_with_custom_backend() -> None:
+    """With --attention-backend CUSTOM alone, the chunk prefix tree becomes the KV cache manager
+    (plugin/scheduler.py). The platform's check_and_update_config is where vLLM itself settles
+    scheduler options (VllmConfig.__post_init__ picks its diffusion scheduler right after it);
+    it runs in the process that builds the config, which then ships it to EngineCore. The tree
+    needs token ids when slots are allocated, so async scheduling is turned off with it."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    platform_cls = type(current_platform)
+    original = platform_cls.check_and_update_config
+    if getattr(original, "_chunkattn_wrapped", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original.__func__(cls, vllm_config)
+        attention = getattr(vllm_config, "attention_config", None)
+        if attention is None or attention.backend != AttentionBackendEnum.CUSTOM:
+            return
+        if os.environ.get("CHUNKATTN_TREE_KV_MANAGER", "1") == "0":   # A/B: vLLM's manager
+            return
+        sched = vllm_config.scheduler_config
+        if sched.scheduler_cls not in (None, SCHEDULER_PATH):
+            logger.warning("--scheduler-cls %s given: the chunk prefix tree is not the KV cache "
+                           "manager (vLLM's block-hash prefix cache is)", sched.scheduler_cls)
+            return
+        if sched.async_scheduling:
+            logger.info("CUSTOM backend: async scheduling off (the chunk prefix tree allocates "
+                        "slots for known tokens only)")
+            sched.async_scheduling = False
+        sched.scheduler_cls = SCHEDULER_PATH
+
+    check_and_update_config._chunkattn_wrapped = True
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)

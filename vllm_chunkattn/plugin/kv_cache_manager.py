@@ -1,0 +1,179 @@
+"""vLLM's KVCacheManager with the chunk prefix tree as its source of truth (CUSTOM backend only).
+
+Prefix matching, caching and eviction go through `ChunkPrefixTree`; vLLM's block-hash map and
+free queue are never consulted on this path. The stock manager's coordinator stays attached only
+for the no-op per-step hooks (copy-on-write, Mamba offloads, zeroing) the scheduler drains, and
+its `BlockPool.blocks` serve as the `KVCacheBlock` id carriers `KVCacheBlocks` expects.
+
+Why a whole-manager swap (installed by `ChunkAttnScheduler`, see scheduler.py) rather than a
+custom KVCacheSpec + SingleTypeKVCacheManager via `customize_spec`: a single-type manager sees
+block hashes, not tokens, allocates from vLLM's shared BlockPool and is evicted by the pool's
+free queue, so the tree could only mirror vLLM's decisions, never make them. At the manager
+level `allocate_slots` gets the `Request` (tokens, LoRA, cache_salt), and the scheduler seam is
+needed anyway for prefix-aware admission.
+
+Token ids are needed to grow the tree, so tokens are added when their slots are allocated:
+on admission the first scheduled chunk (`add_sequence`), then each later chunk or decode token
+(`append`). Like vLLM, full blocks become matchable when scheduled (their KV is written in that
+same step before any reader in the step attends to it). Lookahead slots (speculative decoding,
+async scheduling) have no tokens yet and are refused when the engine starts.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.request import Request, RequestStatus
+
+from ..tree import ChunkPrefixTree, TreeStats, _num_blocks_for
+
+
+def request_namespace(request: Request) -> Hashable:
+    """What besides the tokens decides whether KV can be shared: LoRA adapter, cache_salt and
+    multimodal inputs (their placeholder tokens do not identify the content)."""
+    lora = request.lora_request.lora_int_id if request.lora_request else 0
+    mm = tuple(f.identifier for f in request.mm_features) if request.mm_features else ()
+    if not lora and request.cache_salt is None and not mm:
+        return None
+    return (lora, request.cache_salt, mm)
+
+
+class ChunkTreeKVCacheManager(KVCacheManager):
+    """Built from the scheduler's stock manager (adopting its attributes, so stats, config and
+    the per-step drains keep working); the tree owns every block id except the null block 0."""
+
+    def __init__(self, stock: KVCacheManager, block_size: int):
+        self.__dict__.update(stock.__dict__)
+        self.block_size = block_size
+        self.tree = ChunkPrefixTree(self.kv_cache_config.num_blocks, block_size)
+        self._blocks = self.block_pool.blocks      # block id -> KVCacheBlock (id carrier only)
+        self.num_cached_tokens_served = 0
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        tree = self.tree
+        num_free = len(tree.free_block_ids) + tree.num_cached_blocks   # as vLLM: cached is free
+        return 1.0 - num_free / tree.pool_size
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        if not self.prefix_cache_lookup_enabled(request) or request.prompt_embeds is not None:
+            return self.empty_kv_cache_blocks, 0, 0
+        # The last token is always recomputed, to get its logits.
+        matched = self.tree.match_prefix(request.all_token_ids, request_namespace(request),
+                                         request.num_tokens - 1)
+        if not matched:
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks = self._blocks
+        return (KVCacheBlocks(([blocks[c.block_id] for c in matched],)),
+                len(matched) * self.block_size, 0)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if request_id not in self.tree.seqs:
+            return self.empty_kv_cache_blocks
+        blocks = self._blocks
+        return KVCacheBlocks(([blocks[b] for b in self.tree.block_ids(request_id)],))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id not in self.tree.seqs:
+            return ([],)
+        return (self.tree.block_ids(request_id),)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        seq = self.tree.seqs.get(request.request_id)
+        return len(seq.chunks) * self.block_size if seq is not None else 0
+
+    def tree_stats(self) -> TreeStats:
+        return self.tree.stats()
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlocks | None:
+        if num_lookahead_tokens or num_external_computed_tokens or num_encoder_tokens:
+            raise NotImplementedError("the chunk prefix tree needs token ids: no lookahead "
+                                      "slots, KV connectors or encoder-decoder models")
+        tree, rid = self.tree, request.request_id
+        target = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if rid not in tree.seqs:
+            return self._admit(request, target, num_new_computed_tokens, full_sequence_must_fit,
+                               reserved_blocks, has_scheduled_reqs)
+        have = tree.num_tokens(rid)
+        if target <= have:
+            return self.empty_kv_cache_blocks
+        if reserved_blocks and not tree.can_allocate(
+                _num_blocks_for(target, self.block_size) - len(tree.block_ids(rid))
+                + reserved_blocks):
+            return None
+        new_block_ids = tree.append(rid, request.all_token_ids[have:target])
+        if new_block_ids is None:
+            return None
+        if not new_block_ids:
+            return self.empty_kv_cache_blocks
+        blocks = self._blocks
+        return KVCacheBlocks(([blocks[b] for b in new_block_ids],))
+
+    def _admit(self, request: Request, target: int, num_hit_tokens: int,
+               full_sequence_must_fit: bool, reserved_blocks: int,
+               has_scheduled_reqs: bool) -> KVCacheBlocks | None:
+        tree, rid, bs = self.tree, request.request_id, self.block_size
+        namespace = request_namespace(request)
+        token_ids = request.all_token_ids
+        matched = tree.match_prefix(token_ids, namespace, num_hit_tokens) if num_hit_tokens else []
+        if len(matched) * bs != num_hit_tokens:
+            return None     # the hit get_computed_blocks reported is gone: retry next step
+        headroom = reserved_blocks
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
+                                                    RequestStatus.PREEMPTED):
+            headroom += self.watermark_blocks
+        num_tokens = min(request.num_tokens, self.max_model_len) if full_sequence_must_fit \
+            else target
+        if headroom or full_sequence_must_fit:
+            need = _num_blocks_for(num_tokens, bs) - len(matched) + headroom
+            if not tree.can_allocate(need, matched):
+                return None
+        shared = tree.add_sequence(rid, token_ids[:target], namespace,
+                                   max_shared_tokens=num_hit_tokens)
+        if shared is None:
+            return None
+        assert shared == num_hit_tokens, (shared, num_hit_tokens)
+        self.num_cached_tokens_served += shared
+        blocks = self._blocks
+        return KVCacheBlocks(([blocks[b] for b in tree.block_ids(rid)[len(matched):]],))
+
+    def free(self, request: Request) -> None:
+        if request.request_id in self.tree.seqs:
+            self.tree.release(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list:
+        # Deferred frees exist only for async KV connectors, which this path refuses.
+        self.free(request)
+        return []
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        pass                                # chunks are cached as their tokens are allocated
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        pass                                # full attention skips nothing
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        # Only KV-connector load failures ask for this (connectors are refused at start-up).
+        raise NotImplementedError("evict_blocks(block_ids) is not supported by the chunk tree")
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.tree.reset():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list:
+        return []                           # KV events are refused at start-up

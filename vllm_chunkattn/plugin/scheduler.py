@@ -1,0 +1,114 @@
+"""vLLM's Scheduler with the chunk prefix tree as KV cache manager, and prefix-aware admission.
+
+Selected automatically by `--attention-backend CUSTOM` (see `use_tree_scheduler` in
+plugin/__init__.py, run from the platform's config hook): one flag, no `--scheduler-cls`.
+
+Prefix-aware admission (CHUNKATTN_PREFIX_AWARE_SCHEDULING=0 turns it off): before each step the
+head of the waiting queue (CHUNKATTN_SCHED_WINDOW requests) is reordered so that requests
+sharing the longest prefix with the tree (running or cached chunks) go first, and requests
+sharing their first chunk with each other are admitted together; either way sharers decode in
+the same steps and read their shared chunks once. A request that has waited
+CHUNKATTN_SCHED_MAX_WAIT_STEPS steps goes ahead of every reordered one, in arrival order, so
+no request starves. Only the FCFS policy is reordered (priority scheduling keeps its order).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from . import logger
+from .kv_cache_manager import ChunkTreeKVCacheManager, request_namespace
+from .metrics import TreeMetrics
+
+
+class ChunkAttnScheduler(Scheduler):
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        _refuse_unsupported(vllm_config, kv_cache_config)
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.kv_cache_manager = ChunkTreeKVCacheManager(self.kv_cache_manager, self.block_size)
+        self.tree = self.kv_cache_manager.tree
+        self.prefix_aware = os.environ.get("CHUNKATTN_PREFIX_AWARE_SCHEDULING", "1") != "0"
+        self.sched_window = int(os.environ.get("CHUNKATTN_SCHED_WINDOW", "256"))
+        self.max_wait_steps = int(os.environ.get("CHUNKATTN_SCHED_MAX_WAIT_STEPS", "64"))
+        self._first_seen: dict[str, int] = {}
+        self.tree_metrics = TreeMetrics(self.tree)
+        logger.info("chunk prefix tree is the KV cache manager: %d blocks of %d tokens, "
+                    "prefix-aware scheduling %s", self.tree.pool_size, self.block_size,
+                    "on" if self.prefix_aware else "off")
+
+    def schedule(self, *args, **kwargs):
+        if (self.prefix_aware and len(self.waiting) > 1
+                and isinstance(self.waiting, FCFSRequestQueue)
+                and len(self.running) < self.max_num_running_reqs):
+            self._order_waiting()
+        output = super().schedule(*args, **kwargs)
+        self.tree_metrics.on_step(output.num_scheduled_tokens, self.requests)
+        return output
+
+    def _preempt_request(self, *args, **kwargs):
+        self.tree_metrics.preemptions += 1
+        return super()._preempt_request(*args, **kwargs)
+
+    def update_from_output(self, *args, **kwargs):
+        outputs = super().update_from_output(*args, **kwargs)
+        if self.tree_metrics.interval_s == 0:
+            self.tree_metrics.flush()       # finished requests are released by now
+        return outputs
+
+    def make_stats(self, *args, **kwargs):
+        stats = super().make_stats(*args, **kwargs)
+        self.tree_metrics.maybe_flush()
+        return stats
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        ok = super().reset_prefix_cache(*args, **kwargs)
+        self.tree_metrics.flush()
+        return ok
+
+    def _order_waiting(self) -> None:
+        """Longest tree match first, first-chunk sharers together, starving requests first."""
+        step, bs, tree = self.current_step, self.block_size, self.tree
+        window = list(itertools.islice(self.waiting, self.sched_window))
+        seen = self._first_seen
+        self._first_seen = seen = {r.request_id: seen.get(r.request_id, step) for r in window}
+        group_of: dict[tuple, int] = {}
+        keys = []
+        for i, r in enumerate(window):
+            if step - seen[r.request_id] >= self.max_wait_steps:
+                keys.append((0, 0, 0, i))               # starving: FCFS, ahead of everyone
+                continue
+            ns = request_namespace(r)
+            tokens = r.all_token_ids
+            hit = len(tree.match_prefix(tokens, ns, r.num_tokens - 1)) if tokens else 0
+            group = group_of.setdefault((ns, tuple(tokens[:bs])), i) if len(tokens) > bs else i
+            keys.append((1, -hit, group, i))
+        order = sorted(range(len(window)), key=keys.__getitem__)
+        if order == list(range(len(window))):
+            return
+        rest = list(itertools.islice(self.waiting, len(window), None))
+        self.waiting.clear()
+        self.waiting.extend(window[i] for i in order)
+        self.waiting.extend(rest)
+
+
+def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
+    """The tree needs every slot's token id when the slot is allocated, one KV cache group, and
+    no external KV (connectors) or KV events; say so at start-up rather than fail mid-serving."""
+    reasons = []
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        reasons.append(f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (hybrid models)")
+    if vllm_config.speculative_config is not None:
+        reasons.append("speculative decoding (lookahead slots have no tokens yet)")
+    if vllm_config.scheduler_config.async_scheduling:
+        reasons.append("async scheduling")
+    if vllm_config.kv_transfer_config is not None:
+        reasons.append("KV connectors")
+    if vllm_config.kv_events_config is not None and \
+            vllm_config.kv_events_config.enable_kv_cache_events:
+        reasons.append("KV cache events")
+    if reasons:
+        raise ValueError("the chunk prefix tree KV cache manager (--attention-backend CUSTOM) "
+                         f"does not support {', '.join(reasons)}")
