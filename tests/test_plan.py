@@ -1,0 +1,81 @@
+"""build_plan: the sharing tree of a decode batch, checked against a brute force over the block
+table; PlanCache rebuilds exactly when the sharing structure can have changed."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_chunkattn.plan import PlanCache, build_plan
+from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+
+
+def decompose(plan, block_table, seq_lens, block_size):
+    """Per row: the block ids it reads through shared nodes (in order) and privately."""
+    nb, nbi = plan.node_block_indptr.tolist(), plan.node_block_ids.tolist()
+    ns, nsi = plan.node_seq_indptr.tolist(), plan.node_seq_ids.tolist()
+    sp, spi = plan.seq_partial_indptr.tolist(), plan.seq_partial_ids.tolist()
+    node_of_partial = np.repeat(np.arange(plan.num_nodes), np.diff(ns))
+    rows = []
+    for i in range(plan.num_seqs):
+        shared = []
+        for p in spi[sp[i]:sp[i + 1]]:
+            assert nsi[p] == i, "a row's partial must belong to that row"
+            n = node_of_partial[p]
+            shared += nbi[nb[n]:nb[n + 1]]
+        first = int(plan.seq_num_shared_blocks[i])
+        nblk = -(-int(seq_lens[i]) // block_size)
+        rows.append((shared, block_table[i, first:nblk].tolist(), first))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_partitions_every_row_exactly(seed):
+    spec = list(TREE_SPECS.values())[seed % len(TREE_SPECS)]
+    b = random_tree_batch(seed, **spec)
+    bt, sl, bs = b.block_table, b.seq_lens, b.block_size
+    plan = build_plan(bt, sl, bs)
+    for i, (shared, private, first) in enumerate(decompose(plan, bt, sl, bs)):
+        nblk = -(-int(sl[i]) // bs)
+        assert shared == bt[i, :first].tolist(), "shared nodes = the row's leading blocks"
+        assert shared + private == bt[i, :nblk].tolist()
+        assert first <= int(sl[i]) // bs, "only full blocks are shared"
+    # Every node is seen by >= 2 rows that all hold its blocks; maximal: a row's first private
+    # block is not held at the same column by any other row with the same prefix.
+    ns = plan.node_seq_indptr.tolist()
+    assert all(ns[n + 1] - ns[n] >= 2 for n in range(plan.num_nodes))
+    full = (sl // bs).tolist()
+    for i in range(plan.num_seqs):
+        first = int(plan.seq_num_shared_blocks[i])
+        if first < full[i]:
+            twins = [j for j in range(plan.num_seqs) if j != i and full[j] > first
+                     and bt[j, :first + 1].tolist() == bt[i, :first + 1].tolist()]
+            assert not twins, f"row {i}: block column {first} is shared but was left private"
+
+
+def test_single_prefix_is_one_node_with_all_rows():
+    b = random_tree_batch(0, **TREE_SPECS["single_prefix"])
+    plan = build_plan(b.block_table, b.seq_lens, b.block_size)
+    assert plan.num_nodes == 1
+    assert sorted(plan.node_seq_ids.tolist()) == list(range(b.query.shape[0]))
+
+
+def test_no_sharing_gives_empty_plan():
+    b = random_tree_batch(0, **TREE_SPECS["no_sharing"])
+    plan = build_plan(b.block_table, b.seq_lens, b.block_size)
+    assert plan.num_nodes == 0 and plan.num_partials == 0
+    assert (plan.seq_num_shared_blocks == 0).all()
+
+
+def test_plan_cache_rebuilds_only_when_full_blocks_change():
+    bs = 16
+    bt = torch.tensor([[1, 2, 3, 0], [1, 2, 4, 0]], dtype=torch.int32)
+    cache = PlanCache(bs)
+    p1 = cache.get(bt, torch.tensor([40, 35]))
+    p2 = cache.get(bt, torch.tensor([41, 36]))          # tails grow inside their blocks
+    assert p2 is p1 and cache.num_builds == 1
+    bt2 = bt.clone()
+    bt2[0, 3] = 7
+    p3 = cache.get(bt2, torch.tensor([48, 37]))         # row 0 fills block 3: structure moves
+    assert p3 is not p1 and cache.num_builds == 2
+    p4 = cache.get(bt2[[1, 0]], torch.tensor([37, 48]))  # batch reordered
+    assert p4 is not p3 and cache.num_builds == 3
+    assert int(p1.seq_num_shared_blocks[0]) == 2
