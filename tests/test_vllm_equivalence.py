@@ -30,7 +30,10 @@ def job(backend, prompts, block_size=32):   # CPU_ATTN (stock) needs a multiple 
     return {
         "engine": dict(model=str(tiny_model()), dtype="float32", attention_backend=backend,
                        block_size=block_size, max_model_len=2048, enforce_eager=True,
-                       kv_cache_memory_bytes=256 << 20, seed=0, max_num_seqs=32),
+                       kv_cache_memory_bytes=256 << 20, seed=0, max_num_seqs=32,
+                       # A small token budget chunks the long prompts, so steps mix decode
+                       # rows (TPP) with chunked-prefill rows (vLLM's kernel).
+                       max_num_batched_tokens=256),
         "groups": [
             {"prompts": prompts["greedy"],
              "sampling": dict(temperature=0.0, max_tokens=40, logprobs=0, ignore_eos=True)},
@@ -68,3 +71,4 @@ def test_custom_backend_matches_stock_tokens_and_logprobs(seed, tmp_path):
     stats = json.loads(stats_file.read_text())
     assert stats["decode_steps"] > 0
     assert stats["shared_kv_tokens"] > 0, stats      # decode really went through shared nodes
+    assert stats["mixed_steps"] > 0, stats           # and some steps mixed decode with prefill

@@ -15,13 +15,22 @@ __all__ = ["tpp_decode", "tpp_decode_reference", "dense_decode_oracle", "kernel_
 
 class TppWorkspace:
     """fp32 partial states of the chunk-first phase, grown on demand and reused across layers and
-    steps (no per-call allocation once warm; fixed addresses for CUDA graphs once large enough)."""
+    steps (no per-call allocation once warm; fixed addresses for CUDA graphs once large enough).
+
+    On CUDA, rows beyond num_partials are the split-KV scratch: the kernel splits long nodes and
+    private tails only as far as these spare rows allow (csrc/cuda/tpp_decode.cu)."""
+
+    CUDA_SPARE_ROWS_PER_PARTIAL = 4
+    CUDA_SPARE_ROWS_PER_SEQ = 8
 
     def __init__(self):
         self.o = self.m = self.l = None
 
-    def get(self, num_partials: int, num_heads: int, head_size: int, device):
+    def get(self, num_partials: int, num_seqs: int, num_heads: int, head_size: int, device):
         need = max(num_partials, 1)
+        if torch.device(device).type == "cuda":
+            need += (self.CUDA_SPARE_ROWS_PER_PARTIAL * num_partials
+                     + self.CUDA_SPARE_ROWS_PER_SEQ * num_seqs)
         if (self.o is None or self.o.device != torch.device(device) or self.o.shape[0] < need
                 or self.o.shape[1:] != (num_heads, head_size)):
             self.o = torch.empty(need, num_heads, head_size, dtype=torch.float32, device=device)
@@ -59,7 +68,7 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     if ops is None:
         raise RuntimeError(f"no native TPP kernel built for {query.device.type}")
     p_o, p_m, p_l = (workspace or _default_workspace).get(
-        plan.num_partials, query.shape[1], query.shape[2], query.device)
+        plan.num_partials, plan.num_seqs, query.shape[1], query.shape[2], query.device)
     ops.tpp_decode(query, key_cache, value_cache, block_table, seq_lens,
                    plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
                    plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,

@@ -21,7 +21,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from .. import __version__
 from ..kv_layout import kv_cache_views
-from ..ops import TppWorkspace, kernel_name, tpp_decode
+from ..ops import kernel_name, tpp_decode
 from ..plan import PlanCache, TppPlan
 from . import logger
 from .sharing_stats import SHARING_STATS
@@ -117,7 +117,8 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             host_seq_lens = seq_lens.cpu()
             plan = self.plans.get(block_table.cpu(), host_seq_lens)
             SHARING_STATS.record(num_decodes, int(host_seq_lens.sum()),
-                                 self.plans.shared_kv_tokens, self.plans.num_builds)
+                                 self.plans.shared_kv_tokens, self.plans.num_builds,
+                                 num_prefills > 0)
         prefill = None
         if num_prefills:
             rows = slice(num_decodes, cm.num_reqs)
@@ -144,7 +145,6 @@ class ChunkAttnImpl(AttentionImpl):
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
             **extra_impl_args)
-        self.workspace = TppWorkspace()
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: ChunkAttnMetadata | None,
@@ -161,8 +161,8 @@ class ChunkAttnImpl(AttentionImpl):
         if nd:
             key_cache, value_cache = kv_cache_views(kv_cache, self.kv_layout)
             tpp_decode(query[:nd], key_cache, value_cache, md.decode_block_table,
-                       md.decode_seq_lens, md.plan, self.scale, out=output[:nd],
-                       workspace=self.workspace)
+                       md.decode_seq_lens, md.plan, self.scale, out=output[:nd])
+            # (layers run one after another, so all share the process's default workspace)
         if md.prefill is not None:
             end = md.num_actual_tokens
             self.base.forward(layer, query[nd:end], key[nd:end], value[nd:end], kv_cache,

@@ -19,10 +19,13 @@ class SharingStats:
         self.decode_steps = self.decode_rows = self.kv_tokens = self.shared_kv_tokens = 0
         self.max_shared_kv_tokens_per_step = 0
         self.plan_builds = 0
+        self.mixed_steps = 0          # steps with decode rows and (chunked-)prefill rows
         self._last = time.monotonic()
 
-    def record(self, num_rows: int, kv_tokens: int, shared_kv_tokens: int, plan_builds: int):
+    def record(self, num_rows: int, kv_tokens: int, shared_kv_tokens: int, plan_builds: int,
+               with_prefill: bool):
         self.decode_steps += 1
+        self.mixed_steps += with_prefill
         self.decode_rows += num_rows
         self.kv_tokens += kv_tokens
         self.shared_kv_tokens += shared_kv_tokens
