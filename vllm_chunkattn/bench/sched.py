@@ -32,7 +32,7 @@ def _step_time(kind, num_reqs, block_size, prompt_len, shared_len, steps, seed=0
     t0 = time.perf_counter()
     for i in range(num_reqs):
         prompt = system + [rng.randrange(3, 30000) for _ in range(prompt_len - shared_len)]
-        assert sim.admit(f"r{i}", prompt)
+        assert sim.admit(f"r{i}", prompt) is not None
     admit_s = time.perf_counter() - t0
     ids = list(sim.requests)
     step_s = []
@@ -58,7 +58,7 @@ def _peak_blocks(kind, num_reqs, block_size, shared_len, suffix_len, out_len, ma
     peak, next_id = 0, 0
     while pending or left:
         while pending and len(left) < max_running:
-            assert sim.admit(f"r{next_id}", pending.pop(0))
+            assert sim.admit(f"r{next_id}", pending.pop(0)) is not None
             left[f"r{next_id}"] = out_len
             next_id += 1
         peak = max(peak, sim.blocks_in_use())
@@ -72,11 +72,29 @@ def _peak_blocks(kind, num_reqs, block_size, shared_len, suffix_len, out_len, ma
     return peak
 
 
+def _admission(model: str, prefix_aware: bool, tmp: Path) -> dict:
+    """The tiny model through vLLM (CUSTOM), prefix-aware admission on or off (child process)."""
+    import json
+    import subprocess
+    stats = tmp / f"sharing_{int(prefix_aware)}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHUNKATTN_STATS_FILE": str(stats),
+           "CHUNKATTN_STATS_INTERVAL_S": "0",
+           "CHUNKATTN_PREFIX_AWARE_SCHEDULING": "1" if prefix_aware else "0"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.plugin.admission_run", model,
+                           str(stats)], capture_output=True, text=True, env=env, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench sched")
     ap.add_argument("--out", default="benchmarks/results/sched")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="fewer steps/repeats (smoke run)")
+    ap.add_argument("--no-admission", action="store_true",
+                    help="skip the vLLM run of prefix-aware admission on/off (tiny model)")
     args = ap.parse_args(argv)
     bs = args.block_size
     steps, repeats = (8, 1) if args.quick else (64, 5)
@@ -106,11 +124,30 @@ def main(argv=None) -> int:
                  "stock": peaks["stock"], "tree": peaks["tree"],
                  "ratio": peaks["tree"] / peaks["stock"],
                  "stock_nocache": peaks["stock_nocache"]})
-    _write(Path(args.out), rows, peaks, workload, bs, argv)
+    admission = {}
+    if not args.no_admission:
+        import tempfile
+
+        from ..tiny_model import ensure_tiny_model
+        model = str(ensure_tiny_model(Path("models/tiny-llama")))
+        with tempfile.TemporaryDirectory() as tmp:
+            for on in (False, True, False, True):       # interleaved; best of two each
+                r = _admission(model, on, Path(tmp))
+                best = admission.get(on)
+                if best is None or r["output_tok_s"] > best["output_tok_s"]:
+                    admission[on] = r
+        for on in (False, True):
+            r = admission[on]
+            print(f"prefix-aware admission {'on ' if on else 'off'}: shared fraction "
+                  f"{r['worker']['shared_fraction']:.3f}, {r['output_tok_s']:.1f} output tok/s")
+            rows.append({"metric": f"admission_{'on' if on else 'off'}",
+                         "running": r["max_num_seqs"], "stock": None, "tree": r["output_tok_s"],
+                         "ratio": r["worker"]["shared_fraction"], "stock_nocache": None})
+    _write(Path(args.out), rows, peaks, workload, bs, argv, admission)
     return 0
 
 
-def _write(out: Path, rows, peaks, workload, bs, argv) -> None:
+def _write(out: Path, rows, peaks, workload, bs, argv, admission) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = ["metric", "running", "stock", "tree", "ratio", "stock_nocache"]
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -139,8 +176,27 @@ def _write(out: Path, rows, peaks, workload, bs, argv) -> None:
               f"tokens each, at most {workload['max_running']} running (FCFS).", "",
               "| stock, prefix caching off | stock, prefix caching on | chunk tree |",
               "|---:|---:|---:|",
-              f"| {peaks['stock_nocache']} | {peaks['stock']} | {peaks['tree']} |", "",
-              f"![plot]({out.name}.png)", ""]
+              f"| {peaks['stock_nocache']} | {peaks['stock']} | {peaks['tree']} |", ""]
+    if admission:
+        c = admission[True]
+        lines += ["## Prefix-aware admission (vLLM, tiny fp32 model, --attention-backend CUSTOM)",
+                  "",
+                  f"{c['groups']} system prompts of {c['system_len']} tokens x {c['per_group']} "
+                  f"requests each (+{c['suffix_len']} own tokens), arriving interleaved across "
+                  f"groups; {c['out_len']} output tokens; max_num_seqs={c['max_num_seqs']}. "
+                  "Off = CHUNKATTN_PREFIX_AWARE_SCHEDULING=0 (FCFS). Shared fraction = decode KV "
+                  "tokens read through shared chunks / all decode KV tokens (worker's plans). "
+                  "Best of two interleaved runs each.", "",
+                  "| admission | shared fraction per decode step | rows per decode step | "
+                  "output tok/s |", "|---|---:|---:|---:|"]
+        for on in (False, True):
+            r = admission[on]
+            lines.append(f"| {'prefix-aware' if on else 'FCFS (off)'} | "
+                         f"{r['worker']['shared_fraction']:.3f} | "
+                         f"{r['worker']['rows_per_decode_step']:.1f} | "
+                         f"{r['output_tok_s']:.1f} |")
+        lines.append("")
+    lines += [f"![plot]({out.name}.png)", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     try:
         import matplotlib

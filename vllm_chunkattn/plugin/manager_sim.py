@@ -38,17 +38,18 @@ class Sim:
         self.manager = make_manager(kind, num_blocks, block_size)
         self.requests: dict[str, Request] = {}
 
-    def admit(self, request_id: str, prompt: list[int]) -> bool:
+    def admit(self, request_id: str, prompt: list[int]) -> int | None:
+        """Admit with the whole prompt in one chunk; returns the prefix-hit tokens (None: full)."""
         req = Request(request_id, list(prompt), SamplingParams(max_tokens=1 << 20), None,
                       block_hasher=self.hasher)
         blocks, num_hit, _ = self.manager.get_computed_blocks(req)
         new = self.manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, blocks)
         if new is None:
-            return False
+            return None
         req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
         self.requests[request_id] = req
-        return True
+        return num_hit
 
     def add_token(self, request_id: str, token: int) -> Request:
         """The sampled token arrives (update_from_output): outside the manager's step time."""
