@@ -1,0 +1,313 @@
+"""python -m vllm_chunkattn.bench kernel: one decode step of one layer, our TPP kernel against the
+stock baselines on the same KV contents and layout, over prompt length n_p, shared prefix n_s and
+batch b (every sequence holds n_p prompt tokens + the new one; the first n_s are one prefix shared
+by all b). CPU: vLLM's CPU_ATTN (vec / vec16) and per-sequence SDPA. CUDA: per-sequence SDPA, our op
+with the empty plan (paged decode, no prefix awareness) and FlashInfer's batch decode if installed.
+Outputs are checked against the first baseline before anything is timed."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_layout import alloc_kv_cache, kv_cache_views
+from ..ops import TppWorkspace, tpp_decode
+from ..plan import build_plan, empty_plan
+
+FULL = dict(n_p=(1024, 2048, 4096), share=(0, 0.5, 1), b=(8, 32, 64), heads=((32, 8), (32, 32)),
+            block=(16, 64))
+QUICK = dict(n_p=(1024,), share=(0, 1), b=(8, 32), heads=((32, 8),), block=(16, 64))
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor      # vLLM's logical [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    key_cache: torch.Tensor     # our [num_blocks, block_size, num_kv_heads, head_size] views of it
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+
+
+class KvPool:
+    """One random KV cache per (heads, block) config, sized for the largest point and reused:
+    filling GBs of cache per point would dominate the run."""
+
+    def __init__(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout):
+        self.kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype,
+                                       device, layout)
+        self.kv_cache.normal_()
+        self.key_cache, self.value_cache = kv_cache_views(self.kv_cache, layout)
+        self.block_size = block_size
+
+    def batch(self, n_p, n_s, b, num_heads, seed) -> Batch:
+        bs = self.block_size
+        seq_len = n_p + 1
+        shared = n_s // bs
+        private = -(-seq_len // bs) - shared
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randperm(self.kv_cache.shape[0] - 1, generator=g)[:shared + b * private] + 1
+        table = torch.cat([ids[:shared].expand(b, shared), ids[shared:].view(b, private)], dim=1)
+        head_size = self.key_cache.shape[-1]
+        dev = self.kv_cache.device
+        query = torch.randn(b, num_heads, head_size, generator=g).to(self.kv_cache.dtype).to(dev)
+        return Batch(query, self.kv_cache, self.key_cache, self.value_cache,
+                     table.to(torch.int32).to(dev),
+                     torch.full((b,), seq_len, dtype=torch.int32, device=dev), head_size ** -0.5)
+
+
+# ---- the contenders: each returns a zero-argument callable writing into a preallocated output
+
+def ours(bt: Batch, plan):
+    out, ws = torch.empty_like(bt.query), TppWorkspace()
+    plan = plan.to(bt.query.device)
+    return lambda: tpp_decode(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
+                              bt.seq_lens, plan, bt.scale, out, workspace=ws, kernel="native")
+
+
+def sdpa_per_sequence(bt: Batch):
+    """Naive: gather each sequence's KV, one SDPA call per sequence (GQA by the op)."""
+    bs = bt.key_cache.shape[1]
+    out = torch.empty_like(bt.query)
+    lens = bt.seq_lens.tolist()
+
+    def run():
+        for i, n in enumerate(lens):
+            ids = bt.block_table[i, :-(-n // bs)].long()
+            k = bt.key_cache[ids].flatten(0, 1)[:n].transpose(0, 1)
+            v = bt.value_cache[ids].flatten(0, 1)[:n].transpose(0, 1)
+            out[i] = F.scaled_dot_product_attention(bt.query[i][:, None], k, v, scale=bt.scale,
+                                                    enable_gqa=True)[:, 0]
+        return out
+    return run
+
+
+def cpu_attn(bt: Batch, isa: str):
+    """vLLM's CPU_ATTN decode, called as vllm/v1/attention/backends/cpu_attn.py calls it."""
+    from vllm import _custom_ops as ops
+    num_seqs, num_heads, head_size = bt.query.shape
+    num_blocks, num_kv_heads, block_size, _ = bt.kv_cache.shape
+    key_cache, value_cache = bt.kv_cache.view(num_blocks, num_kv_heads, block_size * 2,
+                                              head_size).chunk(2, dim=2)
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
+        seq_lens=bt.seq_lens, dtype=bt.query.dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=-1, isa=isa, enable_kv_split=_vllm_split_kv())
+    out = torch.empty_like(bt.query)
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query=bt.query, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=query_start_loc, seq_lens=bt.seq_lens, scale=bt.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=bt.block_table, softcap=0,
+            scheduler_metadata=sched, s_aux=None)
+        return out
+    return run
+
+
+def _vllm_split_kv() -> bool:
+    from vllm import envs
+    return envs.VLLM_CPU_ATTN_SPLIT_KV
+
+
+def flashinfer_decode(bt: Batch):
+    """FlashInfer's paged batch decode (no prefix awareness) on an NHD copy of the cache."""
+    import flashinfer
+    num_seqs, num_heads, head_size = bt.query.shape
+    block_size, num_kv_heads = bt.key_cache.shape[1], bt.key_cache.shape[2]
+    pages = -(-bt.seq_lens.long() // block_size)
+    indptr = torch.zeros(num_seqs + 1, dtype=torch.int32, device=bt.query.device)
+    indptr[1:] = torch.cumsum(pages, 0)
+    indices = torch.cat([bt.block_table[i, :int(p)] for i, p in enumerate(pages.tolist())])
+    last = ((bt.seq_lens - 1) % block_size + 1).to(torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device=bt.query.device), "NHD")
+    wrapper.plan(indptr, indices, last, num_heads, num_kv_heads, head_size, block_size,
+                 q_data_type=bt.query.dtype, kv_data_type=bt.query.dtype)
+    k, v = bt.key_cache.contiguous(), bt.value_cache.contiguous()
+    return lambda: wrapper.run(bt.query, (k, v))
+
+
+# ---- timing
+
+class Timer:
+    """Median milliseconds of fn after one warm-up. CUDA: events, with L2 flushed before each
+    repeat (a 256 MB write) so every contender reads KV from HBM as in a real step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn, reps: int, budget_s: float = 2.0, warmup: bool = True) -> float:
+        if warmup:
+            fn()
+        times = []
+        start = time.perf_counter()
+        for _ in range(reps):
+            if self.cuda:
+                self.flush.zero_()
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            if len(times) >= 3 and time.perf_counter() - start > budget_s:
+                break
+        return statistics.median(times)
+
+
+def attention_flops(bt: Batch) -> float:
+    num_heads, head_size = bt.query.shape[1:]
+    return 4.0 * num_heads * head_size * float(bt.seq_lens.sum())
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", load average %.1f / %.1f / %.1f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}){load}")
+
+
+def run_grid(args) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    g = QUICK if args.quick else FULL
+    layout = "cpu_attn" if device.type == "cpu" else "flash"
+    timer = Timer(device)
+    rows = []
+    for (hq, hkv), block in itertools.product(g["heads"], g["block"]):
+        isa = "vec16" if block % 32 else "vec"
+        per_seq_blocks = -(-(max(g["n_p"]) + 1) // block)
+        pool = KvPool(max(g["b"]) * per_seq_blocks + 1, block, hkv, args.head_size, dtype, device,
+                      layout)
+        for n_p, share, b in itertools.product(g["n_p"], g["share"], g["b"]):
+            n_s = int(n_p * share) // block * block
+            bt = pool.batch(n_p, n_s, b, hq, seed=n_p + b)
+            t0 = time.perf_counter()
+            plan = build_plan(bt.block_table.cpu(), bt.seq_lens.cpu(), block)
+            plan_ms = (time.perf_counter() - t0) * 1e3
+            contenders = {"ours": ours(bt, plan)}
+            if device.type == "cpu":
+                contenders["cpu_attn"] = cpu_attn(bt, isa)
+            else:
+                contenders["paged_no_prefix"] = ours(bt, empty_plan(b))
+                try:
+                    contenders["flashinfer"] = flashinfer_decode(bt)
+                except ImportError:
+                    pass
+            if b <= args.naive_max_b or device.type == "cuda":
+                contenders["sdpa_per_seq"] = sdpa_per_sequence(bt)
+            base_name = "cpu_attn" if device.type == "cpu" else "sdpa_per_seq"
+            expect = contenders[base_name]().clone()
+            for name, fn in contenders.items():   # all computed the same thing, or stop
+                torch.testing.assert_close(fn().float(), expect.float(), atol=args.tol,
+                                           rtol=args.tol, msg=lambda m: f"{name} vs {base_name}: {m}")
+            row = dict(device=device.type, n_p=n_p, n_s=n_s, b=b, heads=f"{hq}/{hkv}",
+                       head_size=args.head_size, block=block, dtype=args.dtype,
+                       baseline_isa=isa if device.type == "cpu" else "", plan_ms=round(plan_ms, 3))
+            for name, fn in contenders.items():
+                naive_cpu = name == "sdpa_per_seq" and device.type == "cpu"
+                # naive CPU: seconds a call, already warmed by the check above; one repeat
+                row[f"{name}_ms"] = round(timer(fn, 1 if naive_cpu else args.reps,
+                                                warmup=not naive_cpu), 3)
+            row.setdefault("sdpa_per_seq_ms", float("nan"))
+            row["ours_vs_" + base_name] = round(row[f"{base_name}_ms"] / row["ours_ms"], 2)
+            if "sdpa_per_seq" != base_name:
+                row["ours_vs_sdpa_per_seq"] = round(row["sdpa_per_seq_ms"] / row["ours_ms"], 2)
+            row["ours_gflops"] = round(attention_flops(bt) / row["ours_ms"] / 1e6, 1)
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            del bt, contenders, expect
+        del pool
+    return rows
+
+
+def write_results(rows, args, out_dir: Path, command: str):
+    import pandas as pd
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"kernel_{args.device}"
+    df = pd.DataFrame(rows)
+    df.to_csv(out_dir / f"{stem}.csv", index=False)
+    base = "cpu_attn" if args.device == "cpu" else "sdpa_per_seq"
+    lines = [f"# TPP decode kernel vs {base} ({args.device})", "",
+             f"Command: `{command}`", "", f"Machine: {machine()}", "",
+             f"One layer, one decode step, {args.dtype}, head_size {args.head_size}; times are "
+             f"medians in ms after a warm-up; speed-up = baseline / ours. Every sequence holds "
+             f"n_p prompt tokens + 1; the first n_s are shared by all b sequences. Outputs were "
+             f"checked equal (atol = rtol = {args.tol}) before timing.", "",
+             markdown_table(df)]
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    plot(df, base, out_dir / f"{stem}.png")
+
+
+def markdown_table(df) -> str:
+    head = "| " + " | ".join(df.columns) + " |"
+    rule = "|" + "|".join("---" for _ in df.columns) + "|"
+    body = ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body])
+
+
+def plot(df, base: str, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = list(itertools.product(sorted(df["heads"].unique()), sorted(df["block"].unique())))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (heads, block) in zip(axes[0], panels):
+        sub = df[(df["heads"] == heads) & (df["block"] == block)]
+        for (n_p, b), grp in sub.groupby(["n_p", "b"]):
+            share = grp["n_s"] / grp["n_p"]
+            ax.plot(share, grp[f"ours_vs_{base}"], marker="o", label=f"n_p={n_p} b={b}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"heads {heads}, block {block}")
+        ax.set_xlabel("shared fraction n_s / n_p")
+        ax.set_ylabel(f"speed-up vs {base}")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench kernel", description=__doc__)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="small subset (smoke run)")
+    p.add_argument("--out", type=Path, default=None, help="folder for kernel_<device>.{csv,md,png}")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--reps", type=int, default=7, help="timed repeats (fewer past ~2 s a point)")
+    p.add_argument("--naive-max-b", type=int, default=8,
+                   help="CPU: time per-sequence SDPA (seconds a call) only up to this batch, once")
+    p.add_argument("--tol", type=float, default=2e-2, help="output agreement required before timing")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU")
+    rows = run_grid(args)
+    if args.out is not None:
+        command = "python -m vllm_chunkattn.bench kernel " + " ".join(
+            sys.argv[2:] if argv is None else argv)
+        write_results(rows, args, args.out, command)
+    return 0
