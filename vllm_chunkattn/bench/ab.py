@@ -136,6 +136,16 @@ def tiny_request(server: ServerProcess, max_tokens: int = 8) -> None:
                                           "ignore_eos": True})
 
 
+def healthy(server: ServerProcess) -> bool:
+    if server.proc is None or server.proc.poll() is not None:
+        return False
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def read_stats(path: Path | None) -> dict:
     try:
         return json.loads(path.read_text()) if path else {}
@@ -188,6 +198,8 @@ def run_workload(server: ServerProcess, system: str, w: Workload, model: str, tm
     finally:
         sampler.stop()
     row = {"status": "timeout" if sampler.timed_out else "ok"}
+    if not sampler.timed_out and not healthy(server):
+        row["status"] = "error: server died during the run (its log: --log-dir)"
     if not sampler.timed_out:
         # One decode step after a quiet STATS_INTERVAL_S makes the worker flush its counters.
         time.sleep(STATS_INTERVAL_S + 0.1)
@@ -357,8 +369,10 @@ def run_system(system: str, workloads: list[Workload], model: str, common: list[
                 log(f"[{_clock(t_start)}] {system} {i + 1}/{len(workloads)} {w.name}: skipped "
                     f"(budget)")
                 continue
-            if server.proc is None or server.proc.poll() is not None:
-                log(f"[{_clock(t_start)}] {system}: restarting server after a stopped run")
+            if not healthy(server):               # stopped by the watchdog, or its engine died
+                log(f"[{_clock(t_start)}] {system}: server down after the last run; last log "
+                    f"lines:\n{server.tail(8)}\n[{_clock(t_start)}] {system}: restarting it")
+                server.stop()
                 server.start()
                 tiny_request(server)
             log(f"[{_clock(t_start)}] {system} {i + 1}/{len(workloads)} {w.name}: "

@@ -110,9 +110,11 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
 
     body = []
     for w in names:
-        if meta[w]["group"] == "sweep" and not meta[w]["request_rate"] == max(
-                r["request_rate"] for r in rows if r["group"] == "sweep"):
-            continue                       # the sweep's highest rate stands for the sweep
+        m = meta[w]
+        if m["group"] == "sweep" and m["request_rate"] != max(
+                r["request_rate"] for r in rows
+                if r["group"] == "sweep" and r["shared_len"] == m["shared_len"]):
+            continue                       # a sweep's highest rate stands for its shared length
         cells = [w]
         for s in systems:
             r = idx.get((s, w))
