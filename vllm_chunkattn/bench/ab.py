@@ -312,7 +312,12 @@ def main(argv=None) -> int:
     setup = {"model": model, "server_args": shlex.join(common), "systems": systems,
              "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-             "budget_min": budget_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke}
+             "budget_min": budget_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke,
+             "workloads": [(w.name, w.num_prompts, w.request_rate, shlex.join(w.bench_args)
+                            + (f" --dataset-path <{w.name}.jsonl: system {w.tree['system_len']}"
+                               f" -> {w.tree['docs']} docs x {w.tree['doc_len']} -> "
+                               f"{w.tree['questions']} questions each>" if w.tree else ""))
+                           for w in workloads]}
     log(f"ab: {len(systems)} systems x {len(workloads)} workloads on {model}; budget "
         f"{budget_s / 60:.0f} min; logs in {tmp}")
 
@@ -355,7 +360,10 @@ def run_system(system: str, workloads: list[Workload], model: str, common: list[
     server = ServerProcess(model, args, port=a.port, env=env,
                            log_path=tmp / f"{system}.server.log")
     rc = 0
-    with server:
+    # try/finally rather than `with`: a `with` does not call __exit__ when __enter__ (the
+    # start-up wait) is interrupted, which would leave the server running after Ctrl-C.
+    try:
+        server.start()
         tiny_request(server)                      # first-request warm-up outside any run
         kv_tokens = kv_capacity_tokens(server.url)
         log(f"[{_clock(t_start)}] {system}: ready on {server.url}, KV capacity {kv_tokens} tokens")
@@ -385,6 +393,8 @@ def run_system(system: str, workloads: list[Workload], model: str, common: list[
                 rc = 1
             rows.append({**base, **r})
             log(f"[{_clock(t_start)}]   {_summary(r)}")
+    finally:
+        server.stop()
     return rc
 
 

@@ -54,6 +54,10 @@ def _f(v, d=1):
     return f"{v:,.{d}f}"
 
 
+def _x(v):
+    return "–" if math.isnan(v) else f"{v:.2f}×"
+
+
 def _ratio(a, b):
     return a / b if a and b and not math.isnan(a) and not math.isnan(b) else math.nan
 
@@ -97,7 +101,7 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
         g = lambda r, k: r.get(k) if r else None
         body.append([w, str(m["shared_len"]), str(m["num_prefixes"]), str(m["n"]),
                      _f(g(a, "output_tok_s"), 0), _f(g(b, "output_tok_s"), 0),
-                     _f(_ratio(g(b, "output_tok_s"), g(a, "output_tok_s")), 2) + "×",
+                     _x(_ratio(g(b, "output_tok_s"), g(a, "output_tok_s"))),
                      f"{_f(g(a, 'mean_tpot_ms'))} / {_f(g(a, 'p99_tpot_ms'))}",
                      f"{_f(g(b, 'mean_tpot_ms'))} / {_f(g(b, 'p99_tpot_ms'))}",
                      _f(g(a, "norm_latency_ms")), _f(g(b, "norm_latency_ms")),
@@ -160,6 +164,11 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
         parts += ["## Runs that did not complete", "",
                   _table(["system", "workload", "status"],
                          [[r["system"], r["workload"], str(r.get("status"))] for r in skipped]), ""]
+    if setup.get("workloads"):
+        parts += ["## Workloads (`vllm bench serve` flags)", "",
+                  _table(["workload", "prompts", "rate", "flags"],
+                         [[n, str(k), f"{r:g}", f"`{f}`"] for n, k, r, f in setup["workloads"]]),
+                  ""]
     parts += [f"All runs, all columns: `ab_{tag}.csv`.", ""]
     return "\n".join(parts)
 
