@@ -146,6 +146,28 @@ def healthy(server: ServerProcess) -> bool:
         return False
 
 
+def cpu_snapshot(server: ServerProcess) -> tuple[int, int, int]:
+    """(all jiffies, busy jiffies, jiffies of this benchmark: client + the server's process
+    group). The machine may be shared (CI, other jobs): the difference tells how much of it
+    others used during a run, which the report shows next to each result."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    total, idle = sum(v[:8]), v[3] + v[4]
+    mine = 0
+    group = server.proc.pid if server.proc else -1
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(d) == os.getpid() or int(fields[2]) == group:   # fields[2]: process group
+            mine += int(fields[11]) + int(fields[12])            # utime + stime
+    return total, total - idle, mine
+
+
 def read_stats(path: Path | None) -> dict:
     try:
         return json.loads(path.read_text()) if path else {}
@@ -191,13 +213,17 @@ def run_workload(server: ServerProcess, system: str, w: Workload, model: str, tm
     if w.tree:
         from vllm_chunkattn.tiny_model import _WORDS
         argv += ["--dataset-path", str(write_tree_jsonl(w, tmp / f"{w.name}.jsonl", _WORDS))]
+    cpu0 = cpu_snapshot(server)
     sampler = MetricsSampler(server, cap_s)
     sampler.start()
     try:
         res = bench_client(argv, tmp / f"{system}-{w.name}.client.log")
     finally:
         sampler.stop()
-    row = {"status": "timeout" if sampler.timed_out else "ok"}
+    cpu1 = cpu_snapshot(server)
+    d_total, d_busy, d_mine = (b - a for a, b in zip(cpu0, cpu1))
+    row = {"status": "timeout" if sampler.timed_out else "ok",
+           "others_cpu_pct": round(100 * max(d_busy - d_mine, 0) / d_total, 1) if d_total else 0}
     if not sampler.timed_out and not healthy(server):
         row["status"] = "error: server died during the run (its log: --log-dir)"
     if not sampler.timed_out:
@@ -266,7 +292,7 @@ def parse_args(argv):
                    help="comma list of name substrings or groups (shared,prefixes,sweep,n,tree)")
     p.add_argument("--budget-minutes", type=float, default=None,
                    help="total wall-clock budget, split evenly over systems; runs that do not "
-                        "fit are skipped (default 28; smoke 4)")
+                        "fit are skipped (default 28; smoke 8, a cap for slow CI)")
     p.add_argument("--run-cap-s", type=float, default=240, help="a run is stopped after this")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
@@ -298,7 +324,7 @@ def main(argv=None) -> int:
     if not workloads:
         log("ab: no workload matches --workloads")
         return 2
-    budget_s = 60 * (a.budget_minutes or (4 if a.smoke else 28))
+    budget_s = 60 * (a.budget_minutes or (8 if a.smoke else 28))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # the client's own vLLM logging
     import vllm.benchmarks.serve  # noqa: F401  (slow import: keep it out of the first run's window)
     from vllm_chunkattn.tiny_model import ensure_tiny_model
@@ -412,7 +438,9 @@ def _summary(r: dict) -> str:
             f"peak KV {r['peak_kv_usage_pct']:.1f}% ({r['peak_kv_tokens']} tok), batch "
             f"{r['peak_running']}, prefix hit {r['prefix_cache_hit_pct']:.0f}%"
             + ("" if math.isnan(share) else f", shared KV reads {share:.0f}%")
-            + (f", {r['failed']} failed" if r["failed"] else ""))
+            + (f", {r['failed']} failed" if r["failed"] else "")
+            + (f" [others used {r['others_cpu_pct']:.0f}% of the CPUs]"
+               if r["others_cpu_pct"] >= 5 else ""))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ COLUMNS = ["system", "workload", "group", "shared_len", "num_prefixes", "n", "re
            "num_prompts", "status", "completed", "failed", "duration_s", "output_tok_s",
            "mean_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "norm_latency_ms",
            "p99_norm_latency_ms", "peak_kv_usage_pct", "peak_kv_tokens", "peak_running",
-           "peak_waiting", "prefix_cache_hit_pct", "shared_kv_read_pct", "metric_samples"]
+           "peak_waiting", "prefix_cache_hit_pct", "shared_kv_read_pct", "others_cpu_pct", "metric_samples"]
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept across runs -->", "<!-- /notes -->"
 
 
@@ -156,6 +156,13 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
                   _table(["system", "shared"] + [f"{x:g} req/s" for x in rates]
                          + [f"max tok/s at norm lat < {setup['slo_ms']:g} ms"], body), ""]
 
+    busy = [r for r in _ok(rows) if r.get("others_cpu_pct", 0) >= 5]
+    if busy:
+        worst = max(busy, key=lambda r: r["others_cpu_pct"])
+        parts += [f"**Shared machine:** other processes used ≥ 5 % of the CPUs during "
+                  f"{len(busy)} of {len(_ok(rows))} runs (worst: {worst['others_cpu_pct']:.0f} % "
+                  f"during {worst['system']} {worst['workload']}); see `others_cpu_pct` in the "
+                  "CSV.", ""]
     parts += ["## Goals", "", *_goals(idx, systems, names, meta, A, B), ""]
     if plots:
         parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
