@@ -45,6 +45,12 @@ class ChunkAttnBackend(AttentionBackend):
     def get_name() -> str:
         return "CUSTOM"
 
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        # The CUDA kernel runs on tensor cores (fp16/bf16); fp32 is served on CPU only.
+        return dtype in cls.supported_dtypes and (dtype != torch.float32
+                                                  or current_platform.is_cpu())
+
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         return [16, MultipleOf(32)] if current_platform.is_cpu() else [MultipleOf(16)]
