@@ -138,14 +138,17 @@ def _cpu_has(isa: str) -> bool:
     return have >= {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 2}[isa]
 
 
-@pytest.mark.parametrize("isa", ("avx512_bf16", "avx512", "avx2", "scalar"))
-@pytest.mark.parametrize("dtype", DTYPES)
+ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
+# The bf16 kernels take bf16 KV and query only; every other ISA takes every dtype.
+ISA_DTYPES = [(isa, dtype) for isa in ISAS for dtype in DTYPES
+              if not isa.endswith("_bf16") or dtype == torch.bfloat16]
+
+
+@pytest.mark.parametrize("isa,dtype", ISA_DTYPES, ids=[f"{i}-{str(d)[6:]}" for i, d in ISA_DTYPES])
 def test_every_isa(isa, dtype, monkeypatch):
     """The run-time dispatch's fallbacks, forced on this CPU (the op reads CHUNKATTN_CPU_ISA)."""
     if not _cpu_has(isa):
         pytest.skip(f"this CPU lacks {isa}")
-    if isa == "avx512_bf16" and dtype != torch.bfloat16:
-        pytest.skip("the avx512_bf16 kernel is for bf16 only")
     monkeypatch.setenv("CHUNKATTN_CPU_ISA", isa)
     for i, layout in enumerate(("flash", "cpu_attn")):
         b = random_tree_batch(i, **TREE_SPECS["batch_17"], num_heads=9, num_kv_heads=3,
@@ -157,6 +160,26 @@ def test_every_isa(isa, dtype, monkeypatch):
             if "no CPU kernel" in str(e) and "CHUNKATTN_CPU_ISA" in str(e):
                 pytest.skip(f"this CPU lacks {isa}")
             raise
+
+
+@pytest.mark.parametrize("isa", ("", "avx512_bf16"))
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 64), (256, 32)])
+def test_many_rows_long_nodes(isa, head_size, block_size, monkeypatch):
+    """Chunk-first at GEMM scale: ~100 rows per node (several row blocks plus a remainder) over
+    nodes of up to ~1300 tokens (several packed chunks, a partial last key tile)."""
+    if isa and not _cpu_has(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    if isa:
+        monkeypatch.setenv("CHUNKATTN_CPU_ISA", isa)
+    b = random_tree_batch(head_size, fanouts=[1, 2, 19], max_node_blocks=1300 // block_size // 2,
+                          max_private_blocks=1, num_heads=9, num_kv_heads=3, head_size=head_size,
+                          block_size=block_size, dtype=torch.bfloat16, layout="cpu_attn")
+    try:
+        assert_matches_reference(b, build_plan(b.block_table, b.seq_lens, block_size), torch.bfloat16)
+    except RuntimeError as e:
+        if isa and "no CPU kernel" in str(e):
+            pytest.skip(f"this CPU lacks {isa}")
+        raise
 
 
 def test_rejects_bad_arguments():

@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "tpp_attend.h"
 
@@ -20,8 +22,8 @@ namespace {
 #include "attend_impl.h"
 
 // vdpbf16ps sums one pair of bf16 per 32-bit lane, so tiles are packed as pairs:
-//   kp[D/2][kTile]:   lane t of row p = (k[t][2p], k[t][2p+1])   pairs along the head dim
-//   vp[kTile/2][D]:   lane d of row u = (v[2u][d], v[2u+1][d])   pairs along the tokens
+//   kp[D/2][ks]:      lane t of row p = (k[t][2p], k[t][2p+1])   pairs along the head dim
+//   vp[n/2][D]:       lane d of row u = (v[2u][d], v[2u+1][d])   pairs along the tokens
 // and a query (or p) pair is broadcast to all lanes.
 alignas(64) const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
                                               21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
@@ -36,14 +38,14 @@ inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // Tokens are packed in runs of 16: block_size % 16 == 0 and t0 % 32 == 0 keep a run in one block.
 template <int D>
-void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, uint32_t* vp) {
+void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, uint32_t* vp) {
   const __m512i idx = _mm512_load_si512(kInterleave);
   const uint16_t* kd = static_cast<const uint16_t*>(a.k.data);
   const uint16_t* vd = static_cast<const uint16_t*>(a.v.data);
   const bool k_transposed = a.k.dim_stride != 1;
   for (int i = 0; i < kTile; i += 16) {
     if (i >= n) {  // whole run past the end: zeros (cache memory there may hold NaN)
-      for (int p = 0; p < D / 2; ++p) _mm512_storeu_si512(kp + p * kTile + i, _mm512_setzero_si512());
+      for (int p = 0; p < D / 2; ++p) _mm512_storeu_si512(kp + p * ks + i, _mm512_setzero_si512());
       for (int u = i / 2; u < (i + 16) / 2; ++u)
         for (int c = 0; c < D; c += 16) _mm512_storeu_si512(vp + u * D + c, _mm512_setzero_si512());
       continue;
@@ -58,7 +60,7 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, uint32_t* 
       for (int p = 0; p < D / 2; ++p) {
         __m256i k0 = _mm256_maskz_loadu_epi16(mask, kb + (2 * p) * a.k.dim_stride);
         __m256i k1 = _mm256_maskz_loadu_epi16(mask, kb + (2 * p + 1) * a.k.dim_stride);
-        _mm512_storeu_si512(kp + p * kTile + i, interleave16(idx, k0, k1));
+        _mm512_storeu_si512(kp + p * ks + i, interleave16(idx, k0, k1));
       }
     } else {  // flash layout: a (2p, 2p+1) pair is one 32-bit word of the token's row
       for (int j = 0; j < 16; ++j) {
@@ -66,7 +68,7 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, uint32_t* 
         for (int p = 0; p < D / 2; ++p) {
           uint32_t w = 0;
           if (j < valid) __builtin_memcpy(&w, src + 2 * p, 4);
-          kp[p * kTile + i + j] = w;
+          kp[p * ks + i + j] = w;
         }
       }
     }
@@ -85,91 +87,161 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, uint32_t* 
   }
 }
 
-// s[r][0:kTile] = q[r] . k[t] for RT rows; q as [RT][D/2] pairs.
+// ---- the kernel: GEMM-shaped, for many rows (chunk-first) and few (sequence-first) alike.
+//
+// The KV run is walked in chunks of up to kChunk tokens, packed once per chunk into the VNNI pair
+// layouts above (kp row stride = chunk length). Rows go in blocks of kRowBlock whose o, m, l live
+// in a dense local scratch (in L1) for the whole chunk, and each block streams over the packed
+// chunk (from L2) in key tiles of kKeyTile: S = Q.K^T by a 4 rows x 64 keys register block
+// (16 zmm accumulators; each K vector load feeds 4 rows, each q broadcast 4 key vectors), online
+// softmax per row in fp32, then O = alpha * O + P.V by a 4 rows x 64 dims register block. The
+// output state in the workspace is strided by sequence (16 KB apart, L1 set conflicts), so it is
+// touched only once per (row block, chunk).
+constexpr int kKeyTile = 64;
+constexpr int kChunk = 512;
+constexpr int kRowBlock = 32;
+
+// s[r][0:64] = q[r] . k[t] for RT rows; q as [RT][D/2] pairs, kp with row stride ks.
 template <int D, int RT>
-inline void qk_block_bf16(const uint32_t* q, const uint32_t* kp, float* s) {
-  __m512 acc[RT][2];
-  for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+inline void qk_block(const uint32_t* q, const uint32_t* kp, int ks, float* s) {
+  constexpr int NV = kKeyTile / 16;
+  __m512 acc[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int p = 0; p < D / 2; ++p) {
-    __m512bh k0 = as_bh(_mm512_loadu_si512(kp + p * kTile));
-    __m512bh k1 = as_bh(_mm512_loadu_si512(kp + p * kTile + 16));
+    __m512bh k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = as_bh(_mm512_loadu_si512(kp + p * ks + j * 16));
     for (int r = 0; r < RT; ++r) {
       __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * (D / 2) + p])));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, k[j]);
     }
   }
-  for (int r = 0; r < RT; ++r) {
-    _mm512_storeu_ps(s + r * kTile, acc[r][0]);
-    _mm512_storeu_ps(s + r * kTile + 16, acc[r][1]);
-  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + r * kKeyTile + j * 16, acc[r][j]);
 }
 
 template <int D, int RT>
-inline void qk_rows_bf16(const uint32_t* q, const uint32_t* kp, float* s, int rows) {
-  for (; rows >= RT; rows -= RT, q += RT * (D / 2), s += RT * kTile) qk_block_bf16<D, RT>(q, kp, s);
+inline void qk_rows(const uint32_t* q, const uint32_t* kp, int ks, float* s, int rows) {
+  for (; rows >= RT; rows -= RT, q += RT * (D / 2), s += RT * kKeyTile) qk_block<D, RT>(q, kp, ks, s);
   if constexpr (RT > 1) {
-    if (rows > 0) qk_rows_bf16<D, RT / 2>(q, kp, s, rows);
+    if (rows > 0) qk_rows<D, RT / 2>(q, kp, ks, s, rows);
   }
 }
 
-// o[r] = alpha[r] * o[r] + p[r] . V for RP rows; p as [RP][kTile/2] pairs.
+// One online-softmax step per row over a key tile of n valid keys (n >= 1): s (raw dot products)
+// becomes p = exp(scale * s - m_new), stored to pb as bf16 pairs for P.V (padding keys give 0);
+// alpha = exp(m_old - m_new) rescales o; l sums the unrounded p.
+inline void softmax_rows(float* s, uint32_t* pb, float* m, float* l, float* alpha, int rows, int n,
+                         float scale_f) {
+  constexpr int NV = kKeyTile / 16;
+  const __m512 scale = _mm512_set1_ps(scale_f);
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+  for (int r = 0; r < rows; ++r) {
+    const float* row = s + r * kKeyTile;
+    __m512 x[NV];
+    __m512 mx = ninf;
+    for (int j = 0; j < NV; ++j) {
+      x[j] = _mm512_mul_ps(_mm512_loadu_ps(row + j * 16), scale);
+      const int valid = n - j * 16;  // padding keys -> -inf -> p = 0
+      if (valid < 16) x[j] = valid <= 0 ? ninf : _mm512_mask_mov_ps(ninf, (__mmask16)((1u << valid) - 1), x[j]);
+      mx = _mm512_max_ps(mx, x[j]);
+    }
+    const float m_tile = _mm512_reduce_max_ps(mx);
+    const float m_new = m_tile > m[r] ? m_tile : m[r];
+    alpha[r] = expf(m[r] - m_new);  // first tile: exp(-inf) = 0 wipes the zeroed o
+    const __m512 mn = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < NV; j += 2) {
+      __m512 p0 = IsaAvx512::exp(_mm512_sub_ps(x[j], mn));
+      __m512 p1 = IsaAvx512::exp(_mm512_sub_ps(x[j + 1], mn));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pb + r * (kKeyTile / 2) + j * 8, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    m[r] = m_new;
+  }
+}
+
+// o[r] = alpha[r] * o[r] + p[r] . V for RP rows; p as [RP][32] pairs, vp the tile's [32][D] pairs,
+// o dense [RP][D].
 template <int D, int RP>
-inline void pv_block_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, float* const* o) {
+inline void pv_block(const uint32_t* p, const float* alpha, const uint32_t* vp, float* o) {
   constexpr int NV = D / 16;
   constexpr int DB = NV < 4 ? NV : 4;  // RP x DB = 16 accumulators
   for (int c0 = 0; c0 < NV; c0 += DB) {
     __m512 acc[RP][DB];
     for (int r = 0; r < RP; ++r) {
       __m512 al = _mm512_set1_ps(alpha[r]);
-      for (int j = 0; j < DB; ++j) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o[r] + (c0 + j) * 16), al);
+      for (int j = 0; j < DB; ++j) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + (c0 + j) * 16), al);
     }
-    for (int u = 0; u < kTile / 2; ++u) {
+    for (int u = 0; u < kKeyTile / 2; ++u) {
       __m512bh v[DB];
       for (int j = 0; j < DB; ++j) v[j] = as_bh(_mm512_loadu_si512(vp + u * D + (c0 + j) * 16));
       for (int r = 0; r < RP; ++r) {
-        __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (kTile / 2) + u])));
+        __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (kKeyTile / 2) + u])));
         for (int j = 0; j < DB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, v[j]);
       }
     }
     for (int r = 0; r < RP; ++r)
-      for (int j = 0; j < DB; ++j) _mm512_storeu_ps(o[r] + (c0 + j) * 16, acc[r][j]);
+      for (int j = 0; j < DB; ++j) _mm512_storeu_ps(o + r * D + (c0 + j) * 16, acc[r][j]);
   }
 }
 
 template <int D, int RP>
-inline void pv_rows_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, float* const* o,
-                         int rows) {
-  for (; rows >= RP; rows -= RP, p += RP * (kTile / 2), alpha += RP, o += RP)
-    pv_block_bf16<D, RP>(p, alpha, vp, o);
+inline void pv_rows(const uint32_t* p, const float* alpha, const uint32_t* vp, float* o, int rows) {
+  for (; rows >= RP; rows -= RP, p += RP * (kKeyTile / 2), alpha += RP, o += RP * D)
+    pv_block<D, RP>(p, alpha, vp, o);
   if constexpr (RP > 1) {
-    if (rows > 0) pv_rows_bf16<D, RP / 2>(p, alpha, vp, o, rows);
+    if (rows > 0) pv_rows<D, RP / 2>(p, alpha, vp, o, rows);
   }
+}
+
+// Per-thread packed chunk, grown on demand (too big for a worker thread's stack at D = 256).
+inline uint32_t* chunk_buffer(size_t words) {
+  thread_local uint32_t* buf = nullptr;
+  thread_local size_t cap = 0;
+  if (cap < words) {
+    std::free(buf);
+    buf = static_cast<uint32_t*>(std::aligned_alloc(64, (words * 4 + 63) / 64 * 64));
+    cap = words;
+  }
+  return buf;
 }
 
 template <int D>
 void attend_bf16(const AttendArgs& a) {
-  alignas(64) uint32_t kp[D / 2 * kTile];
-  alignas(64) uint32_t vp[kTile / 2 * D];
-  alignas(64) float s[kRowTile * kTile];
-  alignas(64) uint32_t pb[kRowTile * kTile / 2];
-  float alpha[kRowTile];
-  float* o[kRowTile];
+  // Few rows (sequence-first): one key tile per chunk, so the packed tile stays in L1.
+  const int chunk = a.num_rows > kRowBlock ? kChunk : kKeyTile;
+  uint32_t* kp = chunk_buffer(size_t(chunk) * D);  // [D/2][chunk] then [chunk/2][D]
+  uint32_t* vp = kp + size_t(chunk) * D / 2;
+  alignas(64) float o[kRowBlock * D];
+  alignas(64) float s[kRowBlock * kKeyTile];
+  alignas(64) uint32_t pb[kRowBlock * kKeyTile / 2];
+  float m[kRowBlock], l[kRowBlock], alpha[kRowBlock];
   const uint32_t* q = static_cast<const uint32_t*>(a.q);
   init_states(a, D);
-  for (int t0 = 0; t0 < a.num_tokens; t0 += kTile) {
-    const int n = imin(kTile, a.num_tokens - t0);
-    pack_tile_bf16<D>(a, t0, n, kp, vp);
-    for (int r0 = 0; r0 < a.num_rows; r0 += kRowTile) {
-      const int rt = imin(kRowTile, a.num_rows - r0);
-      qk_rows_bf16<D, 8>(q + r0 * (D / 2), kp, s, rt);
-      softmax_tile<IsaAvx512>(a, r0, rt, n, s, alpha);
+  for (int c0 = 0; c0 < a.num_tokens; c0 += chunk) {
+    const int cn = imin(chunk, a.num_tokens - c0);
+    const int padded = (cn + kKeyTile - 1) / kKeyTile * kKeyTile;
+    for (int i = 0; i < padded; i += kTile)
+      pack_tile_bf16<D>(a, c0 + i, imin(kTile, cn - i), kp + i, chunk, vp + i / 2 * D);
+    for (int r0 = 0; r0 < a.num_rows; r0 += kRowBlock) {
+      const int rt = imin(kRowBlock, a.num_rows - r0);
       for (int r = 0; r < rt; ++r) {
-        __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * kTile + 16), _mm512_loadu_ps(s + r * kTile));
-        _mm512_storeu_si512(pb + r * (kTile / 2), (__m512i)p);
-        o[r] = o_row(a, r0 + r, D);
+        std::memcpy(o + r * D, o_row(a, r0 + r, D), D * 4);
+        m[r] = *m_row(a, r0 + r);
+        l[r] = *l_row(a, r0 + r);
       }
-      pv_rows_bf16<D, 4>(pb, alpha, vp, o, rt);
+      for (int t = 0; t < cn; t += kKeyTile) {
+        qk_rows<D, 4>(q + r0 * (D / 2), kp + t, chunk, s, rt);
+        softmax_rows(s, pb, m, l, alpha, rt, imin(kKeyTile, cn - t), a.scale);
+        pv_rows<D, 4>(pb, alpha, vp + t / 2 * D, o, rt);
+      }
+      for (int r = 0; r < rt; ++r) {
+        std::memcpy(o_row(a, r0 + r, D), o + r * D, D * 4);
+        *m_row(a, r0 + r) = m[r];
+        *l_row(a, r0 + r) = l[r];
+      }
     }
   }
 }
