@@ -18,8 +18,14 @@ NUM_BLOCKS = 24          # 24 x 32 tokens: far less than the 8 prompts below nee
 def _tiny_pool(j: dict) -> dict:
     j["engine"].update(num_gpu_blocks_override=NUM_BLOCKS, max_model_len=512)
     greedy = j["groups"][0]
-    greedy["prompts"] = greedy["prompts"][::2]          # 8 prompts still overflow the pool
+    greedy["prompts"] = greedy["prompts"][::2]
+    # vLLM admits what fits now; 160 decode tokens each (5 chunks) then overflow the pool.
+    greedy["sampling"] = {**greedy["sampling"], "max_tokens": 160}
     again = {**greedy, "prompts": greedy["prompts"][:3]}
+    # n=4 seeded samples of a 73-token prompt (2 shared chunks) fit the pool: stock vLLM 0.32
+    # on CPU fails seeded sampling resumed after a preemption ("CPU Generator does not use
+    # offset"), so this group must not be preempted.
+    j["groups"][1]["prompts"] = [p[:64] + p[-9:] for p in j["groups"][1]["prompts"]]
     j["groups"] += [{"reset_prefix_cache": True}, again]   # cold again after the reset
     return j
 
@@ -37,7 +43,10 @@ def _read(path):
 def test_tree_manager_matches_stock_under_preemption_eviction_n_and_reset(tmp_path):
     prompts = tree_prompts(11)
     stock = run_llm(_tiny_pool(job(None, prompts)), tmp_path)
-    custom = run_llm(_tiny_pool(job("CUSTOM", prompts)), tmp_path, env=_debug_env(tmp_path, "c"))
+    prom_dir = tmp_path / "prometheus"
+    prom_dir.mkdir()
+    custom = run_llm(_tiny_pool(job("CUSTOM", prompts)), tmp_path,
+                     env={**_debug_env(tmp_path, "c"), "PROMETHEUS_MULTIPROC_DIR": str(prom_dir)})
     assert "chunk prefix tree is the KV cache manager" in custom["log"]
     assert "chunk prefix tree is the KV cache manager" not in stock["log"]
     assert stock["groups"][2] == custom["groups"][2] == {"reset_prefix_cache": True}
@@ -55,6 +64,15 @@ def test_tree_manager_matches_stock_under_preemption_eviction_n_and_reset(tmp_pa
     # The worker's plans (built from the block tables the tree handed out) share what the tree
     # predicts, step for step summed.
     assert tree["decode_shared_kv_tokens"] == worker["shared_kv_tokens"] > 0, (tree, worker)
+    # The same numbers reach Prometheus (vLLM's /metrics reads this multi-process directory).
+    from prometheus_client import CollectorRegistry, multiprocess
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(prom_dir))
+    prom = {m.name: m.samples[0].value for m in registry.collect()
+            if m.name.startswith("chunkattn:")}
+    assert prom["chunkattn:chunk_evictions"] == tree["evictions"], prom
+    assert prom["chunkattn:chunks_in_use"] == 0
+    assert prom["chunkattn:decode_shared_kv_tokens"] == tree["decode_shared_kv_tokens"]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -10,6 +10,12 @@ Outputs: a periodic `chunkattn tree:` log line (CHUNKATTN_STATS_INTERVAL_S, defa
 when CHUNKATTN_TREE_STATS_FILE is set, that file as JSON (tests and benchmarks read it).
 CHUNKATTN_DEBUG_TREE=1 also runs the tree's invariant checker every step.
 vLLM's own `prefix_cache_stats` (vllm:prefix_cache_queries/hits) keep being filled by the manager.
+
+Prometheus: EngineCore -> API server stats travel as a typed `SchedulerStats` msgspec struct
+with no extension field, so there is no clean way to carry these numbers inside vLLM's own
+stats. What does work: when PROMETHEUS_MULTIPROC_DIR is set (vLLM then serves /metrics from a
+multi-process registry that aggregates every process writing there), EngineCore publishes the
+`chunkattn:*` gauges below there, and they appear on vLLM's /metrics.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ class TreeMetrics:
         self.max_decode_shared_kv_tokens = 0
         self.invariant_checks = self.preemptions = 0
         self._last = time.monotonic()
+        self._gauges = _prometheus_gauges() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
 
     def on_step(self, num_scheduled_tokens: dict[str, int], requests) -> None:
         self.steps += 1
@@ -84,8 +91,31 @@ class TreeMetrics:
             "sharing=%d tokens, prefix hit rate=%.1f%%, evictions=%d",
             d["num_live_seqs"], d["in_use_blocks"], d["cached_blocks"], d["free_blocks"],
             d["live_shared_kv_tokens"], 100 * d["hit_rate"], d["evictions"])
+        if self._gauges:
+            for key, gauge in self._gauges.items():
+                gauge.set(d[key])
         if self.path:
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(d, f)
             os.replace(tmp, self.path)
+
+
+PROMETHEUS = {   # snapshot key -> (metric name, help)
+    "live_shared_kv_tokens": ("chunkattn:kv_saved_tokens",
+                              "KV tokens stored once but used by several live sequences"),
+    "in_use_blocks": ("chunkattn:chunks_in_use", "Chunks (KV blocks) held by live sequences"),
+    "cached_blocks": ("chunkattn:chunks_cached", "Released chunks kept for prefix hits"),
+    "free_blocks": ("chunkattn:chunks_free", "Chunks holding no KV"),
+    "evictions": ("chunkattn:chunk_evictions", "Cached chunks evicted so far"),
+    "hit_rate": ("chunkattn:prefix_hit_rate", "Prompt tokens served from the tree / looked up"),
+    "decode_shared_kv_tokens": ("chunkattn:decode_shared_kv_tokens",
+                                "Decode KV tokens read through shared chunks so far (exact "
+                                "counting needs CHUNKATTN_TREE_STATS_FILE or CHUNKATTN_DEBUG_TREE)"),
+}
+
+
+def _prometheus_gauges() -> dict:
+    from prometheus_client import Gauge
+    return {key: Gauge(name, doc, multiprocess_mode="mostrecent")
+            for key, (name, doc) in PROMETHEUS.items()}
