@@ -133,15 +133,17 @@ def test_batch_order_invariance(spec):
 
 
 def _cpu_has(isa: str) -> bool:
+    if isa == "amx":   # the kernel also needs the OS's permission: a refusal skips via the error
+        return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     caps = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
     have = caps.get(torch.backends.cpu.get_cpu_capability(), 2)
     return have >= {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 2}[isa]
 
 
-ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
-# The bf16 kernels take bf16 KV and query only; every other ISA takes every dtype.
+ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar")
+# The bf16 kernels (amx, avx512_bf16) take bf16 KV and query only; every other ISA takes every dtype.
 ISA_DTYPES = [(isa, dtype) for isa in ISAS for dtype in DTYPES
-              if not isa.endswith("_bf16") or dtype == torch.bfloat16]
+              if isa not in ("amx", "avx512_bf16") or dtype == torch.bfloat16]
 
 
 @pytest.mark.parametrize("isa,dtype", ISA_DTYPES, ids=[f"{i}-{str(d)[6:]}" for i, d in ISA_DTYPES])
@@ -162,7 +164,7 @@ def test_every_isa(isa, dtype, monkeypatch):
             raise
 
 
-@pytest.mark.parametrize("isa", ("", "avx512_bf16"))
+@pytest.mark.parametrize("isa", ("", "amx", "avx512_bf16"))
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 64), (256, 32)])
 def test_many_rows_long_nodes(isa, head_size, block_size, monkeypatch):
     """Chunk-first at GEMM scale: ~100 rows per node (several row blocks plus a remainder) over

@@ -42,6 +42,8 @@ using AttendFn = void (*)(const AttendArgs&);
 
 // Each returns nullptr for a head size it was not built for. The caller checks the CPU first.
 AttendFn attend_avx512_bf16(int head_size);  // bf16 KV + bf16 q, block_size % 16 == 0
+AttendFn attend_amx(int head_size);          // as avx512_bf16, on AMX tiles; nullptr unless the
+                                             // CPU has AMX-BF16 and the OS grants its use
 AttendFn attend_avx512(int head_size);       // any KV dtype, fp32 q
 AttendFn attend_avx2(int head_size);
 AttendFn attend_scalar(int head_size);

@@ -23,7 +23,7 @@ struct Kernel {
   bool q_bf16 = false;  // the kernel takes bf16 query rows, else fp32
 };
 
-// The best kernel this CPU runs. CHUNKATTN_CPU_ISA=avx512_bf16|avx512|avx2|scalar restricts the
+// The best kernel this CPU runs. CHUNKATTN_CPU_ISA=amx|avx512_bf16|avx512|avx2|scalar restricts the
 // choice to one, so tests cover the fallbacks on a machine that has them all.
 Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t block_size,
                      int64_t head_size) {
@@ -39,8 +39,12 @@ Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t bl
   avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
   const int hs = static_cast<int>(head_size);
-  if (allowed("avx512_bf16") && avx512_bf16 && kv_dtype == at::kBFloat16 &&
-      q_dtype == at::kBFloat16 && block_size % 16 == 0) {
+  const bool bf16_ok = avx512_bf16 && kv_dtype == at::kBFloat16 && q_dtype == at::kBFloat16 &&
+                       block_size % 16 == 0;
+  if (allowed("amx") && bf16_ok) {  // attend_amx checks AMX itself (CPUID + OS permission)
+    if (AttendFn fn = attend_amx(hs)) return {fn, true};
+  }
+  if (allowed("avx512_bf16") && bf16_ok) {
     if (AttendFn fn = attend_avx512_bf16(hs)) return {fn, true};
   }
   if (allowed("avx512") && avx512) {
