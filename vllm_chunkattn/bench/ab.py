@@ -52,7 +52,7 @@ MEMORY_GROUPS = ("shared", "prefixes", "n", "tree")
 MEMORY_SKIP = ("x16prefixes", "1024-x4prefixes")
 SERVED_NAME = "tiny"
 # What works on CPU for the embedded model (examples/demo.py); CPU_ATTN needs block size % 32.
-TINY_SERVER_ARGS = ("--dtype float32 --block-size 64 --max-model-len 4096 "
+TINY_SERVER_ARGS = ("--dtype {dtype} --block-size 64 --max-model-len 4096 "
                     "--kv-cache-memory-bytes {kv_bytes} --enforce-eager")
 METRICS_PERIOD_S = 0.2
 STATS_INTERVAL_S = 0.2
@@ -284,6 +284,14 @@ def git_commit() -> str:
         return ""
 
 
+def native_build() -> str:
+    """Which CUSTOM native kernel build ran (it is rebuilt often while being optimised)."""
+    sos = sorted(Path(__file__).parents[1].glob("_C*.so"))
+    if not sos:
+        return "no native .so (PyTorch fallback)"
+    return f"{sos[0].name} built {time.strftime('%Y-%m-%d %H:%M', time.localtime(sos[0].stat().st_mtime))}"
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench ab",
                                 description=__doc__.splitlines()[0])
@@ -301,9 +309,11 @@ def parse_args(argv):
     p.add_argument("--run-cap-s", type=float, default=240, help="a run is stopped after this")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--dtype", default="float32", help="model/KV dtype with the default server "
+                   "args (float32 as the demo; bfloat16 is the CPU kernels' fast path)")
     p.add_argument("--server-args", default=None,
                    help="server flags common to all systems (default: the tiny-model CPU set: "
-                        + TINY_SERVER_ARGS.format(kv_bytes="<--kv-cache-bytes>") + ")")
+                        + TINY_SERVER_ARGS.format(kv_bytes="<--kv-cache-bytes>", dtype="<--dtype>") + ")")
     p.add_argument("--slo-ms", type=float, default=40.0,
                    help="normalised-latency bound for 'throughput at latency < SLO' (paper: 40)")
     p.add_argument("--log-dir", default=None, help="server/client logs (default: a temp dir)")
@@ -335,13 +345,14 @@ def main(argv=None) -> int:
     from vllm_chunkattn.tiny_model import ensure_tiny_model
     model = a.model or str(ensure_tiny_model())
     common = shlex.split(a.server_args if a.server_args is not None
-                         else TINY_SERVER_ARGS.format(kv_bytes=a.kv_cache_bytes))
+                         else TINY_SERVER_ARGS.format(kv_bytes=a.kv_cache_bytes, dtype=a.dtype))
     common += ["--served-model-name", SERVED_NAME]
     tmp = Path(a.log_dir or tempfile.mkdtemp(prefix="chunkattn-ab-"))
     tmp.mkdir(parents=True, exist_ok=True)
     out = Path(a.out)
     setup = {"model": model, "server_args": shlex.join(common), "systems": systems,
              "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
+             "native": native_build(),
              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
              "budget_min": budget_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke,
              "workloads": [(w.name, w.num_prompts, w.request_rate, shlex.join(w.bench_args)

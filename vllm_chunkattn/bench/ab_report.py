@@ -81,7 +81,8 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
              "on; stock-nopc = the same with `--no-enable-prefix-caching`; custom = "
              "`--attention-backend CUSTOM`)",
              f"- commit {setup['commit']}, {setup['date']}, {setup['machine']}; wall "
-             f"{setup.get('wall_min', 0):.1f} min (budget {setup['budget_min']:.0f} min)",
+             f"{setup.get('wall_min', 0):.1f} min (budget {setup['budget_min']:.0f} min); "
+             f"CUSTOM native kernel: {setup.get('native', '?')}",
              "- client: vLLM's `vllm bench serve` (`vllm.benchmarks.serve`), `--ignore-eos "
              "--temperature 0 --seed 0`; prefix cache reset before every run",
              "- normalised latency = mean over requests of (end-to-end latency incl. queueing / "
