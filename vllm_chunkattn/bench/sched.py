@@ -150,6 +150,9 @@ def main(argv=None) -> int:
     return 0
 
 
+NOTE = ("Not timed: the scheduler's prefix-aware reordering of the waiting queue (one tree match per waiting request in a window, per step, only while slots are free) and the exact per-step sharing count (only with CHUNKATTN_TREE_STATS_FILE / CHUNKATTN_DEBUG_TREE). The machine was shared with other jobs (load average ~7 on 2 CPUs), so absolute times are noisy; stock and tree runs are interleaved.")
+
+
 def _write(out: Path, rows, peaks, workload, bs, argv, admission) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = ["metric", "running", "stock", "tree", "ratio", "stock_nocache"]
@@ -168,6 +171,7 @@ def _write(out: Path, rows, peaks, workload, bs, argv, admission) -> None:
              "| running | stock ms | tree ms | tree/stock | admit µs/req stock | tree |",
              "|---:|---:|---:|---:|---:|---:|"]
     admits = {r["running"]: r for r in rows if r["metric"] == "admit_us_per_req"}
+    lines[-2:-2] = [NOTE, ""]
     for r in rows:
         if r["metric"] == "decode_step_ms":
             a = admits[r["running"]]
