@@ -93,6 +93,30 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, ui
   }
 }
 
+// Prefetch KV tokens [t0, t0 + n) into L2 while the current tile is computed: paged blocks sit in
+// random order, so the hardware prefetchers lose the stream at every block boundary.
+template <int D>
+inline void prefetch_tokens(const AttendArgs& a, int t0, int n) {
+  const uint16_t* kd = static_cast<const uint16_t*>(a.k.data);
+  const uint16_t* vd = static_cast<const uint16_t*>(a.v.data);
+  const bool k_transposed = a.k.dim_stride != 1;
+  for (int i = 0; i < n; i += 16) {  // 16-token runs never cross a block (block_size % 16 == 0)
+    const int tok = t0 + i, off = tok % a.block_size;
+    const int64_t blk = a.block_ids[tok / a.block_size];
+    const uint16_t* kb = kd + blk * a.k.block_stride + a.kv_head * a.k.head_stride + off * a.k.token_stride;
+    const uint16_t* vb = vd + blk * a.v.block_stride + a.kv_head * a.v.head_stride + off * a.v.token_stride;
+    if (k_transposed) {
+      if (off % 32 == 0 || a.block_size == 16)  // a 64-byte line holds 32 tokens of one dim
+        for (int d = 0; d < D; ++d) _mm_prefetch(reinterpret_cast<const char*>(kb + d * a.k.dim_stride), _MM_HINT_T1);
+    } else {
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(kb + j * a.k.token_stride + c), _MM_HINT_T1);
+    }
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(vb + j * a.v.token_stride + c), _MM_HINT_T1);
+  }
+}
+
 // ---- the kernel: GEMM-shaped, for many rows (chunk-first) and few (sequence-first) alike.
 //
 // The KV run is walked in chunks of up to kChunk tokens, packed once per chunk into the VNNI pair
@@ -231,6 +255,7 @@ void attend_bf16(const AttendArgs& a) {
     const int padded = (cn + kKeyTile - 1) / kKeyTile * kKeyTile;
     for (int i = 0; i < padded; i += kTile)
       pack_tile_bf16<D>(a, c0 + i, imin(kTile, cn - i), kp + i, chunk, vp + i / 2 * D);
+    if (c0 + chunk < a.num_tokens) prefetch_tokens<D>(a, c0 + chunk, imin(chunk, a.num_tokens - c0 - chunk));
     for (int r0 = 0; r0 < a.num_rows; r0 += kRowBlock) {
       const int rt = imin(kRowBlock, a.num_rows - r0);
       for (int r = 0; r < rt; ++r) {
@@ -299,6 +324,8 @@ CHUNKATTN_AMX_FN void attend_amx(const AttendArgs& a) {
     const int n = imin(kKeyTile, a.num_tokens - t0);
     for (int i = 0; i < kKeyTile; i += kTile)
       pack_tile_bf16<D>(a, t0 + i, imin(kTile, n - i), kp + i, kKeyTile, vp + i / 2 * D);
+    if (t0 + kKeyTile < a.num_tokens)
+      prefetch_tokens<D>(a, t0 + kKeyTile, imin(kKeyTile, a.num_tokens - t0 - kKeyTile));
     for (int r0 = 0; r0 < R; r0 += 16) {
       const int rt = imin(16, R - r0);
       // S[16][64] = Q K^T
