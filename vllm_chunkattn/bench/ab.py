@@ -55,7 +55,7 @@ SERVED_NAME = "tiny"
 TINY_SERVER_ARGS = ("--dtype {dtype} --block-size 64 --max-model-len 4096 "
                     "--kv-cache-memory-bytes {kv_bytes} --enforce-eager")
 METRICS_PERIOD_S = 0.2
-STATS_INTERVAL_S = 0.2
+STATS_INTERVAL_S = 1.0      # CUSTOM logs a stats line each flush: keep it rare
 
 
 def log(msg: str) -> None:
@@ -340,7 +340,9 @@ def main(argv=None) -> int:
         log("ab: no workload matches --workloads")
         return 2
     budget_s = 60 * (a.budget_minutes or (8 if a.smoke else 28))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # the client's own vLLM logging
+    # Quiet the client's own vLLM logging, but not the servers' (their logs explain failures).
+    server_log_level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
     import vllm.benchmarks.serve  # noqa: F401  (slow import: keep it out of the first run's window)
     from vllm_chunkattn.tiny_model import ensure_tiny_model
     model = a.model or str(ensure_tiny_model())
@@ -382,7 +384,7 @@ def main(argv=None) -> int:
                 # The goal's row first, in case the budget runs out.
                 mine.sort(key=lambda w: w.name != "shared2048")
             rc = max(rc, run_system(system, mine, model, common, a, tmp, sys_deadline,
-                                    rows, t_start))
+                                    rows, t_start, server_log_level))
     except KeyboardInterrupt:
         log("\nab: interrupted; servers stopped; writing the partial report")
         rc = 130
@@ -398,9 +400,11 @@ def main(argv=None) -> int:
 
 
 def run_system(system: str, workloads: list[Workload], model: str, common: list[str], a,
-               tmp: Path, deadline: float, rows: list[dict], t_start: float) -> int:
+               tmp: Path, deadline: float, rows: list[dict], t_start: float,
+               log_level: str = "INFO") -> int:
     stats_path = tmp / f"{system}.sharing.json" if system == "custom" else None
-    env = {"VLLM_SERVER_DEV_MODE": "1"}          # for /reset_prefix_cache between runs
+    env = {"VLLM_SERVER_DEV_MODE": "1",          # for /reset_prefix_cache between runs
+           "VLLM_LOGGING_LEVEL": log_level}
     if stats_path:
         stats_path.unlink(missing_ok=True)
         env.update(CHUNKATTN_STATS_FILE=str(stats_path),

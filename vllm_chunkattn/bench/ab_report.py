@@ -142,7 +142,7 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
     if sweep:
         rates = sorted({r["request_rate"] for r in sweep})
         body = []
-        for s in systems:
+        for s in [s for s in systems if any(r["system"] == s for r in sweep)]:
             for p in sorted({r["shared_len"] for r in sweep}):
                 pts = [r for r in _ok(sweep, s) if r["shared_len"] == p]
                 by_rate = {r["request_rate"]: r for r in pts}
