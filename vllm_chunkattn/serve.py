@@ -126,7 +126,11 @@ class ServerProcess:
             self.proc.wait()
 
     def __enter__(self) -> "ServerProcess":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:             # Ctrl-C or a failure during start-up: no orphan
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
