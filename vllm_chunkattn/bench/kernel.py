@@ -26,6 +26,9 @@ from ..plan import build_plan, empty_plan
 FULL = dict(n_p=(1024, 2048, 4096), share=(0, 0.5, 1), b=(8, 32, 64), heads=((32, 8), (32, 32)),
             block=(16, 64))
 QUICK = dict(n_p=(1024,), share=(0, 1), b=(8, 32), heads=((32, 8),), block=(16, 64))
+# The points the CPU issue sets its goals on (n_p = 2048, b = 32; all or nothing shared).
+GOALS = dict(n_p=(2048,), share=(0, 1), b=(32,), heads=((32, 8), (32, 32)), block=(16, 64))
+GRIDS = {"full": FULL, "quick": QUICK, "goals": GOALS}
 
 
 @dataclass
@@ -195,7 +198,7 @@ def machine() -> str:
 def run_grid(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    g = QUICK if args.quick else FULL
+    g = GRIDS["quick" if args.quick else args.grid]
     layout = "cpu_attn" if device.type == "cpu" else "flash"
     timer = Timer(device)
     rows = []
@@ -249,7 +252,7 @@ def run_grid(args) -> list[dict]:
 def write_results(rows, args, out_dir: Path, command: str):
     import pandas as pd
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"kernel_{args.device}"
+    stem = f"kernel_{args.device}" + ("" if args.grid == "full" else f"_{args.grid}")
     df = pd.DataFrame(rows)
     df.to_csv(out_dir / f"{stem}.csv", index=False)
     base = "cpu_attn" if args.device == "cpu" else "sdpa_per_seq"
@@ -295,6 +298,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench kernel", description=__doc__)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="small subset (smoke run)")
+    p.add_argument("--grid", default="full", choices=tuple(GRIDS),
+                   help="full: the issue's grid; goals: only its goal points (file stem "
+                        "kernel_<device>_goals)")
     p.add_argument("--out", type=Path, default=None, help="folder for kernel_<device>.{csv,md,png}")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--head-size", type=int, default=128)
