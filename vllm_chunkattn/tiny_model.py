@@ -49,11 +49,10 @@ def vocabulary() -> list[str]:
     return words
 
 
-def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
-    """Writes config.json, tokenizer files and seeded safetensors weights into `out`."""
-    import torch
+def save_tokenizer(out: str | Path) -> Path:
+    """Writes the word-level tokenizer (ids 0..VOCAB_SIZE-1, <s> = 1, </s> = 2) into `out`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,6 +62,15 @@ def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>")
     fast.save_pretrained(out)
+    return out
+
+
+def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
+    """Writes config.json, tokenizer files and seeded safetensors weights into `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = save_tokenizer(out)
     torch.manual_seed(seed)
     config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
     model = LlamaForCausalLM(config).float()

@@ -202,7 +202,7 @@ def run_grid(args) -> list[dict]:
     layout = "cpu_attn" if device.type == "cpu" else "flash"
     timer = Timer(device)
     rows = []
-    for (hq, hkv), block in itertools.product(g["heads"], g["block"]):
+    for (hq, hkv), block in itertools.product(args.heads or g["heads"], g["block"]):
         isa = "vec16" if block % 32 else "vec"
         per_seq_blocks = -(-(max(g["n_p"]) + 1) // block)
         pool = KvPool(max(g["b"]) * per_seq_blocks + 1, block, hkv, args.head_size, dtype, device,
@@ -253,6 +253,7 @@ def write_results(rows, args, out_dir: Path, command: str):
     import pandas as pd
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"kernel_{args.device}" + ("" if args.grid == "full" else f"_{args.grid}")
+    stem += f"_{args.model_shape}" if args.model_shape else ""
     df = pd.DataFrame(rows)
     df.to_csv(out_dir / f"{stem}.csv", index=False)
     base = "cpu_attn" if args.device == "cpu" else "sdpa_per_seq"
@@ -304,11 +305,21 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="folder for kernel_<device>.{csv,md,png}")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--model-shape", default=None,
+                   help="heads / kv heads / head size of a vllm_chunkattn.model_shapes shape "
+                        "(e.g. llama-3.2-1b) instead of the grid's and --head-size")
     p.add_argument("--reps", type=int, default=7, help="timed repeats (fewer past ~2 s a point)")
     p.add_argument("--naive-max-b", type=int, default=8,
                    help="CPU: time per-sequence SDPA (seconds a call) only up to this batch, once")
     p.add_argument("--tol", type=float, default=2e-2, help="output agreement required before timing")
     args = p.parse_args(argv)
+    args.heads = None
+    if args.model_shape:
+        from ..model_shapes import SHAPES, attention_shape
+        if args.model_shape not in SHAPES:
+            p.error(f"--model-shape: choose from {list(SHAPES)}")
+        num_heads, num_kv_heads, args.head_size = attention_shape(args.model_shape)
+        args.heads = ((num_heads, num_kv_heads),)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA GPU")
     rows = run_grid(args)
