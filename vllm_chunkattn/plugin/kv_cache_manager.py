@@ -20,22 +20,11 @@ async scheduling) have no tokens yet and are refused when the engine starts.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import Request, RequestStatus
 
 from ..tree import ChunkPrefixTree, TreeStats, _num_blocks_for
-
-
-def request_namespace(request: Request) -> Hashable:
-    """What besides the tokens decides whether KV can be shared: LoRA adapter, cache_salt and
-    multimodal inputs (their placeholder tokens do not identify the content)."""
-    lora = request.lora_request.lora_int_id if request.lora_request else 0
-    mm = tuple(f.identifier for f in request.mm_features) if request.mm_features else ()
-    if not lora and request.cache_salt is None and not mm:
-        return None
-    return (lora, request.cache_salt, mm)
+from .namespace import request_namespace
 
 
 class ChunkTreeKVCacheManager(KVCacheManager):
@@ -58,7 +47,7 @@ class ChunkTreeKVCacheManager(KVCacheManager):
         return 1.0 - num_free / tree.pool_size
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        if not self.prefix_cache_lookup_enabled(request) or request.prompt_embeds is not None:
+        if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         # The last token is always recomputed, to get its logits.
         matched = self.tree.match_prefix(request.all_token_ids, request_namespace(request),

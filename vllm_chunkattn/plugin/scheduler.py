@@ -20,8 +20,9 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from . import logger
-from .kv_cache_manager import ChunkTreeKVCacheManager, request_namespace
+from .kv_cache_manager import ChunkTreeKVCacheManager
 from .metrics import TreeMetrics
+from .namespace import request_namespace
 
 
 class ChunkAttnScheduler(Scheduler):

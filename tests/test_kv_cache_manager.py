@@ -1,0 +1,60 @@
+"""ChunkTreeKVCacheManager against vLLM's own KVCacheManager (prefix caching on) through the calls
+the scheduler makes, no engine: what may be shared across requests (prompt embeddings, images)."""
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from vllm_chunkattn.plugin.manager_sim import make_manager
+
+pytestmark = pytest.mark.vllm
+BS = 16
+KINDS = ("stock", "tree")
+
+
+@pytest.fixture(scope="module")
+def hasher():
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BS, hash_fn)
+
+
+def request(hasher, request_id, prompt=None, **kwargs) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_tokens=8), None, block_hasher=hasher,
+                   **kwargs)
+
+
+def lookup(manager, req) -> int:
+    """Prefix-hit tokens the scheduler would be told for this request."""
+    return manager.get_computed_blocks(req)[1]
+
+
+def run_to_end(manager, req) -> None:
+    """Admit the whole prompt (with its hit), compute it, finish: its blocks stay cached."""
+    blocks, num_hit, _ = manager.get_computed_blocks(req)
+    assert manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, blocks) is not None
+    req.num_computed_tokens = req.num_tokens
+    manager.free(req)
+
+
+def test_prompt_embeds_kv_is_served_only_to_the_same_embeddings(hasher):
+    """Finding 1: prompt-embeds requests carry placeholder token ids (zeros). Their KV must not
+    be served to a text prompt of zeros nor to other embeddings; the same embeddings may share."""
+    embeds = torch.randn(3 * BS + 5, 8, generator=torch.Generator().manual_seed(0))
+    hits = {}
+    for kind in KINDS:
+        manager = make_manager(kind, 64, BS)
+        run_to_end(manager, request(hasher, "embeds", prompt_embeds=embeds))
+        hits[kind] = {
+            "text_zeros": lookup(manager, request(hasher, "text", [0] * (3 * BS) + [7] * 5)),
+            "other_embeds": lookup(manager, request(hasher, "other", prompt_embeds=embeds + 1)),
+            "same_embeds": lookup(manager, request(hasher, "same", prompt_embeds=embeds.clone())),
+        }
+    # 53 prompt tokens: at most 52 may hit (the last is recomputed), i.e. 3 full blocks.
+    assert hits["tree"] == hits["stock"] == {"text_zeros": 0, "other_embeds": 0,
+                                             "same_embeds": 3 * BS}, hits
