@@ -254,3 +254,23 @@ def test_reads_cache_written_by_vllm(block_size, isa):
         seq_lens=b.seq_lens, scale=b.scale, causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=b.block_table, softcap=0, scheduler_metadata=sched, s_aux=None)
     torch.testing.assert_close(out.to(torch.bfloat16).float(), theirs.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,block_size", [("cpu_attn", 64), ("cpu_attn", 16), ("flash", 32)])
+def test_cache_past_seq_len_never_read_into_results(dtype, layout, block_size):
+    """Slots past a row's seq_len in its last block hold NaN (vLLM never clears freed slots): the
+    kernel reads whole tiles in place (fp32, CPU_ATTN layout) but must mask them out exactly."""
+    b = random_tree_batch(11, **TREE_SPECS["system_prompts"], dtype=dtype, layout=layout,
+                          block_size=block_size)
+    table = b.block_table.tolist()
+    poisoned = 0
+    for i, n in enumerate(b.seq_lens.tolist()):
+        last, used = table[i][(n - 1) // block_size], n % block_size
+        if used and sum(row.count(last) for row in table) == 1:
+            b.key_cache[last, used:] = float("nan")
+            b.value_cache[last, used:] = float("nan")
+            poisoned += 1
+    assert poisoned, "the batch has no partly filled private block to poison"
+    out, lse = assert_matches_reference(b, build_plan(b.block_table, b.seq_lens, block_size), dtype)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()

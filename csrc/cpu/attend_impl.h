@@ -84,8 +84,9 @@ inline void for_each_block_run(const AttendArgs& a, int t0, int n, F&& f) {
   }
 }
 
-// Tile tokens [0, n) -> kf [D][kTile], vf [kTile][D] in fp32; tokens >= n are zero so that a
-// masked key adds 0 * 0 (cache memory past seq_len may hold anything, even NaN).
+// Tile tokens [0, n) -> kf [D][kTile], vf [kTile][D] in fp32. Tokens >= n are left as they are:
+// their scores are replaced by -inf (softmax_tile) and P.V stops at n, so whatever is there (cache
+// memory past seq_len may hold anything, even NaN) never reaches a result.
 template <typename T, int D>
 void pack_tile_f32(const AttendArgs& a, int t0, int n, float* kf, float* vf) {
   const bool k_transposed = a.k.dim_stride != 1;
@@ -109,15 +110,11 @@ void pack_tile_f32(const AttendArgs& a, int t0, int n, float* kf, float* vf) {
       for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
     }
   });
-  for (int i = n; i < kTile; ++i) {
-    for (int d = 0; d < D; ++d) kf[d * kTile + i] = 0.f;
-    for (int d = 0; d < D; ++d) vf[i * D + d] = 0.f;
-  }
 }
 
-// s[r][0:kTile] = q[r] . k[t] for RT rows (unscaled).
+// s[r][0:kTile] = q[r] . k[t] for RT rows (unscaled); kf as [D][ks] (key t of dim d at d * ks + t).
 template <class I, int D, int RT>
-inline void qk_block_f32(const float* q, const float* kf, float* s) {
+inline void qk_block_f32(const float* q, const float* kf, int64_t ks, float* s) {
   using reg = typename I::reg;
   constexpr int NV = kTile / I::W;
   reg acc[RT][NV];
@@ -125,7 +122,7 @@ inline void qk_block_f32(const float* q, const float* kf, float* s) {
     for (int j = 0; j < NV; ++j) acc[r][j] = I::zero();
   for (int d = 0; d < D; ++d) {
     reg kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = I::load(kf + d * kTile + j * I::W);
+    for (int j = 0; j < NV; ++j) kv[j] = I::load(kf + d * ks + j * I::W);
     for (int r = 0; r < RT; ++r) {
       reg qb = I::set1(q[r * D + d]);
       for (int j = 0; j < NV; ++j) acc[r][j] = I::fma(qb, kv[j], acc[r][j]);
@@ -137,10 +134,10 @@ inline void qk_block_f32(const float* q, const float* kf, float* s) {
 
 // Rows in blocks of RT, the remainder by halving RT (RT is a power of two).
 template <class I, int D, int RT>
-inline void qk_rows_f32(const float* q, const float* kf, float* s, int rows) {
-  for (; rows >= RT; rows -= RT, q += RT * D, s += RT * kTile) qk_block_f32<I, D, RT>(q, kf, s);
+inline void qk_rows_f32(const float* q, const float* kf, int64_t ks, float* s, int rows) {
+  for (; rows >= RT; rows -= RT, q += RT * D, s += RT * kTile) qk_block_f32<I, D, RT>(q, kf, ks, s);
   if constexpr (RT > 1) {
-    if (rows > 0) qk_rows_f32<I, D, RT / 2>(q, kf, s, rows);
+    if (rows > 0) qk_rows_f32<I, D, RT / 2>(q, kf, ks, s, rows);
   }
 }
 
@@ -178,9 +175,11 @@ inline void softmax_tile(const AttendArgs& a, int r0, int rt, int n, float* s, f
   }
 }
 
-// o[r] = alpha[r] * o[r] + p[r] . V for RP rows.
+// o[r] = alpha[r] * o[r] + p[r] . V over the n valid tokens, for RP rows; vf as [kTile][vs]
+// (token t at t * vs).
 template <class I, int D, int RP>
-inline void pv_block_f32(const float* p, const float* alpha, const float* vf, float* const* o) {
+inline void pv_block_f32(const float* p, const float* alpha, const float* vf, int64_t vs, int n,
+                         float* const* o) {
   using reg = typename I::reg;
   constexpr int NV = D / I::W;
   constexpr int DB = NV < I::kPvVecs ? NV : I::kPvVecs;
@@ -190,11 +189,11 @@ inline void pv_block_f32(const float* p, const float* alpha, const float* vf, fl
       reg al = I::set1(alpha[r]);
       for (int j = 0; j < DB; ++j) acc[r][j] = I::mul(I::load(o[r] + (c0 + j) * I::W), al);
     }
-    for (int t = 0; t < kTile; ++t) {
+    for (int t = 0; t < n; ++t) {
       reg pb[RP];
       for (int r = 0; r < RP; ++r) pb[r] = I::set1(p[r * kTile + t]);
       for (int j = 0; j < DB; ++j) {
-        reg v = I::load(vf + t * D + (c0 + j) * I::W);
+        reg v = I::load(vf + t * vs + (c0 + j) * I::W);
         for (int r = 0; r < RP; ++r) acc[r][j] = I::fma(pb[r], v, acc[r][j]);
       }
     }
@@ -204,33 +203,57 @@ inline void pv_block_f32(const float* p, const float* alpha, const float* vf, fl
 }
 
 template <class I, int D, int RP>
-inline void pv_rows_f32(const float* p, const float* alpha, const float* vf, float* const* o,
-                        int rows) {
+inline void pv_rows_f32(const float* p, const float* alpha, const float* vf, int64_t vs, int n,
+                        float* const* o, int rows) {
   for (; rows >= RP; rows -= RP, p += RP * kTile, alpha += RP, o += RP)
-    pv_block_f32<I, D, RP>(p, alpha, vf, o);
+    pv_block_f32<I, D, RP>(p, alpha, vf, vs, n, o);
   if constexpr (RP > 1) {
-    if (rows > 0) pv_rows_f32<I, D, RP / 2>(p, alpha, vf, o, rows);
+    if (rows > 0) pv_rows_f32<I, D, RP / 2>(p, alpha, vf, vs, n, o, rows);
+  }
+}
+
+// A tile of fp32 KV in CPU_ATTN's layout (K^T per block and head, V token-major, the tile's
+// kTile slots inside one block, valid or not) is read in place: packing it would only copy, and for the few rows of the
+// sequence-first phase that copy costs as much as the products. Else false (pack the tile).
+template <typename T>
+inline bool tile_in_place(const AttendArgs& a, int t0, int n, const float** kf, int64_t* ks,
+                          const float** vf, int64_t* vs) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    const int off = t0 % a.block_size;
+    if (a.k.token_stride != 1 || off + kTile > a.block_size) return false;
+    const int64_t blk = a.block_ids[t0 / a.block_size];
+    *kf = static_cast<const float*>(a.k.data) + blk * a.k.block_stride +
+          a.kv_head * a.k.head_stride + off;
+    *ks = a.k.dim_stride;
+    *vf = static_cast<const float*>(a.v.data) + blk * a.v.block_stride +
+          a.kv_head * a.v.head_stride + off * a.v.token_stride;
+    *vs = a.v.token_stride;
+    return true;
   }
 }
 
 template <class I, typename T, int D>
 void attend_f32(const AttendArgs& a) {
-  alignas(64) float kf[D * kTile];
-  alignas(64) float vf[kTile * D];
+  alignas(64) float kbuf[D * kTile];
+  alignas(64) float vbuf[kTile * D];
   alignas(64) float s[kRowTile * kTile];
   float alpha[kRowTile];
   float* o[kRowTile];
   const float* q = static_cast<const float*>(a.q);
   init_states(a, D);
   for (int t0 = 0; t0 < a.num_tokens; t0 += kTile) {
-    const int n = imin(kTile, a.num_tokens - t0);
-    pack_tile_f32<T, D>(a, t0, n, kf, vf);
+    const int n = imin(kTile, a.num_tokens - t0);  // valid tokens of the tile
+    const float *kf = kbuf, *vf = vbuf;
+    int64_t ks = kTile, vs = D;
+    if (!tile_in_place<T>(a, t0, n, &kf, &ks, &vf, &vs)) pack_tile_f32<T, D>(a, t0, n, kbuf, vbuf);
     for (int r0 = 0; r0 < a.num_rows; r0 += kRowTile) {
       const int rt = imin(kRowTile, a.num_rows - r0);
-      qk_rows_f32<I, D, I::kQkRows>(q + r0 * D, kf, s, rt);
+      qk_rows_f32<I, D, I::kQkRows>(q + r0 * D, kf, ks, s, rt);
       softmax_tile<I>(a, r0, rt, n, s, alpha);
       for (int r = 0; r < rt; ++r) o[r] = o_row(a, r0 + r, D);
-      pv_rows_f32<I, D, I::kPvRows>(s, alpha, vf, o, rt);
+      pv_rows_f32<I, D, I::kPvRows>(s, alpha, vf, vs, n, o, rt);
     }
   }
 }
