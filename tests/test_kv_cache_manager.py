@@ -58,3 +58,22 @@ def test_prompt_embeds_kv_is_served_only_to_the_same_embeddings(hasher):
     # 53 prompt tokens: at most 52 may hit (the last is recomputed), i.e. 3 full blocks.
     assert hits["tree"] == hits["stock"] == {"text_zeros": 0, "other_embeds": 0,
                                              "same_embeds": 3 * BS}, hits
+
+
+@pytest.mark.parametrize("prompt_blocks, reserved_blocks, fits", [
+    (8, 4, True),       # whole prompt fits the free blocks; chunk + reservation fits too
+    (8, 9, False),      # the reservation leaves too little for the chunk itself
+    (11, 0, False),     # the whole prompt does not fit the pool
+])
+def test_reserved_blocks_gate_the_scheduled_chunk_not_the_whole_prompt(
+        hasher, prompt_blocks, reserved_blocks, fits):
+    """Finding 2 (vLLM's contract): with full_sequence_must_fit, the whole prompt is checked
+    against the free blocks, and reserved_blocks applies only to the chunk being scheduled."""
+    results = {}
+    for kind in KINDS:
+        manager = make_manager(kind, 11, BS)                # 10 usable blocks (0 is null)
+        req = request(hasher, "r", list(range(3, 3 + prompt_blocks * BS)))
+        new_blocks = manager.allocate_slots(req, 2 * BS, full_sequence_must_fit=True,
+                                            reserved_blocks=reserved_blocks)
+        results[kind] = None if new_blocks is None else len(new_blocks.get_block_ids()[0])
+    assert results["tree"] == results["stock"] == (2 if fits else None), results

@@ -118,14 +118,19 @@ class ChunkTreeKVCacheManager(KVCacheManager):
         matched = tree.match_prefix(token_ids, namespace, num_hit_tokens) if num_hit_tokens else []
         if len(matched) * bs != num_hit_tokens:
             return None     # the hit get_computed_blocks reported is gone: retry next step
-        headroom = reserved_blocks
+        watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
                                                     RequestStatus.PREEMPTED):
-            headroom += self.watermark_blocks
-        num_tokens = min(request.num_tokens, self.max_model_len) if full_sequence_must_fit \
-            else target
-        if headroom or full_sequence_must_fit:
-            need = _num_blocks_for(num_tokens, bs) - len(matched) + headroom
+            watermark = self.watermark_blocks
+        # As vLLM's allocate_slots: the whole sequence must fit the free blocks (watermark
+        # kept), and reserved_blocks gates only the chunk scheduled now.
+        if full_sequence_must_fit:
+            num_tokens = min(request.num_tokens, self.max_model_len)
+            if not tree.can_allocate(_num_blocks_for(num_tokens, bs) - len(matched) + watermark,
+                                     matched):
+                return None
+        if watermark or reserved_blocks:
+            need = _num_blocks_for(target, bs) - len(matched) + watermark + reserved_blocks
             if not tree.can_allocate(need, matched):
                 return None
         shared = tree.add_sequence(rid, token_ids[:target], namespace,
