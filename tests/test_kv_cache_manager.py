@@ -5,6 +5,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -77,3 +78,32 @@ def test_reserved_blocks_gate_the_scheduled_chunk_not_the_whole_prompt(
                                             reserved_blocks=reserved_blocks)
         results[kind] = None if new_blocks is None else len(new_blocks.get_block_ids()[0])
     assert results["tree"] == results["stock"] == (2 if fits else None), results
+
+
+def image(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+@pytest.mark.parametrize("offset", [2 * BS, 2 * BS + 5])
+def test_text_before_the_first_image_is_shared_across_images(hasher, offset):
+    """Finding 3: the chunks wholly before the first placeholder are plain text, shared with
+    requests that carry another image or none; from the placeholder's chunk on, only the same
+    image matches."""
+    text = list(range(3, 3 + offset))
+    prompt = text + [9] * BS + list(range(500, 519))      # image placeholders, then more text
+    hits = {}
+    for kind in KINDS:
+        manager = make_manager(kind, 64, BS)
+        run_to_end(manager, request(hasher, "a", prompt, mm_features=[image("img-a", offset, BS)]))
+        hits[kind] = {
+            "other_image": lookup(manager, request(hasher, "b", prompt,
+                                                   mm_features=[image("img-b", offset, BS)])),
+            "same_image": lookup(manager, request(hasher, "c", prompt,
+                                                  mm_features=[image("img-a", offset, BS)])),
+            "text_only": lookup(manager, request(hasher, "d", text + [7] * 40)),
+        }
+    # Blocks 0-1 end at or before the placeholder; the prompt has len(prompt) - 1 hittable tokens.
+    full = (len(prompt) - 1) // BS * BS
+    assert hits["tree"] == hits["stock"] == {"other_image": 2 * BS, "same_image": full,
+                                             "text_only": 2 * BS}, hits

@@ -10,7 +10,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.tree import ChunkPrefixTree
+from vllm_chunkattn.tree import ChunkPrefixTree, SplitNamespace
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 11             # vLLM's test pool: block 0 is the null block, 10 usable
@@ -222,6 +222,29 @@ def test_namespaces_never_share():
     lora_chunks = tree.match_prefix(prompt, ("lora", "adapter-1"))
     assert [c.block_id for c in lora_chunks] == tree.block_ids("lora")[:2]
     assert tree.match_prefix(prompt, ("lora", "adapter-2")) == []
+    tree.check_invariants()
+
+
+def test_split_namespace_shares_only_the_chunks_before_the_split():
+    """Multimodal prompts: chunks ending at or before the first placeholder are plain text."""
+    tree = make_tree(num_blocks=20)
+    prompt = tokens(4 * BLOCK_SIZE + 1)
+    image_a = SplitNamespace(None, "img-a", 2 * BLOCK_SIZE + 1)     # placeholder inside chunk 2
+    assert tree.add_sequence("a", prompt, image_a) == 0
+    assert tree.add_sequence("b", prompt, SplitNamespace(None, "img-b", 2 * BLOCK_SIZE + 1)) \
+        == 2 * BLOCK_SIZE
+    a, b = tree.block_ids("a"), tree.block_ids("b")
+    assert b[:2] == a[:2] and not set(b[2:]) & set(a)
+    assert [c.block_id for c in tree.match_prefix(prompt)] == a[:2]        # text only
+    assert [c.block_id for c in tree.match_prefix(prompt, image_a)] == a[:4]
+    # A placeholder starting exactly at a chunk boundary leaves the chunk before it plain text.
+    assert len(tree.match_prefix(prompt, SplitNamespace(None, "img-c", 2 * BLOCK_SIZE))) == 2
+    assert len(tree.match_prefix(prompt, SplitNamespace(None, "img-c", 2 * BLOCK_SIZE - 1))) == 1
+    # Chunks filled by decoding are keyed like the rest of the sequence after the split.
+    tree.append("a", tokens(BLOCK_SIZE - 1, start=700))
+    grown = prompt + tokens(BLOCK_SIZE - 1, start=700)
+    assert [c.block_id for c in tree.match_prefix(grown, image_a)] == a[:5]
+    assert len(tree.match_prefix(grown, SplitNamespace(None, "img-b", 2 * BLOCK_SIZE + 1))) == 4
     tree.check_invariants()
 
 

@@ -18,6 +18,23 @@ def _num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class SplitNamespace:
+    """A sequence namespace that changes at token `start`: chunks ending at or before it are keyed
+    by `before`, the rest by `after`. Multimodal prompts: the text before the first placeholder
+    is shared with requests that carry other inputs (or none), as vLLM's block hashes do."""
+    before: Hashable
+    after: Hashable
+    start: int
+
+
+def chunk_namespace(namespace: Hashable, chunk_index: int, block_size: int) -> Hashable:
+    """The namespace keying chunk `chunk_index` of a sequence admitted under `namespace`."""
+    if not isinstance(namespace, SplitNamespace):
+        return namespace
+    return namespace.before if (chunk_index + 1) * block_size <= namespace.start else namespace.after
+
+
 @dataclass(slots=True)
 class TreeStats:
     num_free_blocks: int        # never used, or evicted: no KV worth keeping
@@ -38,7 +55,7 @@ class Chunk:
     """One full block of `block_size` tokens. Hashes by identity, so it can key dicts and sets."""
     block_id: int
     token_ids: tuple[int, ...]
-    namespace: Hashable = None  # LoRA adapter / cache_salt: chunks of different namespaces never match
+    namespace: Hashable = None  # LoRA, cache_salt, inputs: chunks of different namespaces never match
     parent: Chunk | None = None
     children: dict[tuple, Chunk] = field(default_factory=dict)  # listed children by key: O(1) lookup
     ref_count: int = 0          # live sequences whose block table holds this chunk
@@ -87,8 +104,9 @@ class ChunkPrefixTree:
         vLLM passes max_tokens = num_tokens - 1: the last prompt token is always recomputed."""
         limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
         node, matched, bs = self.root, [], self.block_size
-        for start in range(0, limit - bs + 1, bs):
-            node = node.children.get((namespace, tuple(token_ids[start:start + bs])))
+        for index, start in enumerate(range(0, limit - bs + 1, bs)):
+            key = (chunk_namespace(namespace, index, bs), tuple(token_ids[start:start + bs]))
+            node = node.children.get(key)
             if node is None:
                 break
             matched.append(node)
@@ -252,9 +270,10 @@ class ChunkPrefixTree:
 
         for seq_id, seq in self.seqs.items():
             parent = self.root
-            for chunk in seq.chunks:
+            for index, chunk in enumerate(seq.chunks):
                 assert chunk.parent is parent, f"{seq_id}: chunk {chunk.block_id} off its parent"
-                assert len(chunk.token_ids) == self.block_size and chunk.namespace == seq.namespace
+                assert len(chunk.token_ids) == self.block_size
+                assert chunk.namespace == chunk_namespace(seq.namespace, index, self.block_size)
                 expected_refs[chunk] = expected_refs.get(chunk, 0) + 1
                 parent = chunk
             assert len(seq.tail_token_ids) < self.block_size
@@ -312,7 +331,8 @@ class ChunkPrefixTree:
     def _seal_tail(self, seq: _SequenceBlocks) -> None:
         """The tail block just became full: it turns into a chunk, listed unless it duplicates one."""
         parent = seq.chunks[-1] if seq.chunks else self.root
-        chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), seq.namespace, parent, ref_count=1)
+        namespace = chunk_namespace(seq.namespace, len(seq.chunks), self.block_size)
+        chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), namespace, parent, ref_count=1)
         if parent.listed and chunk.key not in parent.children:
             parent.children[chunk.key] = chunk
             chunk.listed = True

@@ -10,19 +10,26 @@ from collections.abc import Hashable
 from vllm.v1.request import Request
 from vllm.v1.utils import tensor_data
 
+from ..tree import SplitNamespace
+
 # Request -> digest of its prompt embeddings: hashed once per request, forgotten with it.
 _embeds_digests: weakref.WeakKeyDictionary[Request, bytes] = weakref.WeakKeyDictionary()
 
 
 def request_namespace(request: Request) -> Hashable:
     """LoRA adapter, cache_salt, prompt embeddings and multimodal inputs: placeholder token ids
-    (zeros for embeddings, repeated placeholder ids for images) do not identify the content."""
+    (zeros for embeddings, repeated placeholder ids for images) do not identify the content.
+    Multimodal inputs key only the chunks from the one holding the first placeholder on."""
     lora = request.lora_request.lora_int_id if request.lora_request else 0
     embeds = _embeds_digest(request) if request.prompt_embeds is not None else None
-    mm = tuple(f.identifier for f in request.mm_features) if request.mm_features else ()
-    if not lora and request.cache_salt is None and embeds is None and not mm:
-        return None
-    return (lora, request.cache_salt, embeds, mm)
+    text = None
+    if lora or request.cache_salt is not None or embeds is not None:
+        text = (lora, request.cache_salt, embeds)
+    if not request.mm_features:
+        return text
+    mm = tuple((f.identifier, f.mm_position.offset) for f in request.mm_features)
+    first = min(f.mm_position.offset for f in request.mm_features)
+    return SplitNamespace(text, (text, mm), first)
 
 
 def _embeds_digest(request: Request) -> bytes:

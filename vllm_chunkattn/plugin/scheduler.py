@@ -19,6 +19,7 @@ import os
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..tree import chunk_namespace
 from . import logger
 from .kv_cache_manager import ChunkTreeKVCacheManager
 from .metrics import TreeMetrics
@@ -84,7 +85,8 @@ class ChunkAttnScheduler(Scheduler):
             ns = request_namespace(r)
             tokens = r.all_token_ids
             hit = len(tree.match_prefix(tokens, ns, r.num_tokens - 1)) if tokens else 0
-            group = group_of.setdefault((ns, tuple(tokens[:bs])), i) if len(tokens) > bs else i
+            first_chunk = (chunk_namespace(ns, 0, bs), tuple(tokens[:bs]))
+            group = group_of.setdefault(first_chunk, i) if len(tokens) > bs else i
             keys.append((1, -hit, group, i))
         order = sorted(range(len(window)), key=keys.__getitem__)
         if order == list(range(len(window))):
