@@ -18,6 +18,8 @@ import os
 
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (KVCacheSpecKind, get_kv_cache_spec_kind,
+                                        get_kv_cache_spec_sliding_window)
 
 from ..tree import chunk_namespace
 from . import logger
@@ -98,11 +100,24 @@ class ChunkAttnScheduler(Scheduler):
 
 
 def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
-    """The tree needs every slot's token id when the slot is allocated, one KV cache group, and
-    no external KV (connectors) or KV events; say so at start-up rather than fail mid-serving."""
+    """The tree needs every slot's token id when the slot is allocated, one full-attention KV
+    cache group, and no external KV (connectors) or KV events; say so at start-up rather than
+    fail mid-serving."""
     reasons = []
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        reasons.append(f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (hybrid models)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        reasons.append(f"{len(groups)} KV cache groups (hybrid models)")
+    else:
+        # One group of windowed layers passes the count; the tree keeps every token's KV.
+        spec = groups[0].kv_cache_spec
+        window = get_kv_cache_spec_sliding_window(spec) or getattr(spec, "sliding_window", None)
+        kind = get_kv_cache_spec_kind(spec)
+        if window:
+            reasons.append(f"sliding window attention (window {window})")
+        elif kind != KVCacheSpecKind.FULL_ATTENTION:
+            reasons.append(f"{kind.value} KV cache groups")
+    if kv_cache_config.needs_kv_cache_zeroing:
+        reasons.append("KV cache blocks that must be zeroed (Mamba or mixed-precision KV)")
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding (lookahead slots have no tokens yet)")
     if vllm_config.scheduler_config.async_scheduling:

@@ -1,0 +1,62 @@
+"""ChunkAttnScheduler refuses, where it first sees the KV cache spec, what the chunk prefix tree
+cannot manage; a plain full-attention model gets the tree as its KV cache manager."""
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+                                        UniformTypeKVCacheSpecs)
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
+from vllm_chunkattn.plugin.scheduler import ChunkAttnScheduler
+from vllm_runs import tiny_model
+
+pytestmark = pytest.mark.vllm
+BS = 32
+SPEC = dict(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="float32"),
+                        cache_config=CacheConfig(block_size=BS))
+    config.cache_config.num_gpu_blocks = 64     # set by EngineCore after profiling
+    return config
+
+
+def scheduler(vllm_config, spec) -> ChunkAttnScheduler:
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return ChunkAttnScheduler(vllm_config, kv_cache_config,
+                              StructuredOutputManager(vllm_config), block_size=BS)
+
+
+def test_full_attention_gets_the_tree(vllm_config):
+    sched = scheduler(vllm_config, FullAttentionSpec(**SPEC))
+    assert isinstance(sched.kv_cache_manager, ChunkTreeKVCacheManager)
+    assert sched.tree.pool_size == 63
+
+
+@pytest.mark.parametrize("spec", [SlidingWindowSpec(sliding_window=128, **SPEC),
+                                  FullAttentionSpec(sliding_window=128, **SPEC)],
+                         ids=["SlidingWindowSpec", "FullAttentionSpec-with-window"])
+def test_a_single_sliding_window_group_is_refused(vllm_config, spec):
+    """Finding 4: one KV cache group of sliding-window layers passed the group-count check."""
+    with pytest.raises(ValueError, match=r"does not support sliding window attention "
+                                         r"\(window 128\)"):
+        scheduler(vllm_config, spec)
+
+
+def test_other_single_group_kinds_are_refused(vllm_config):
+    with pytest.raises(ValueError, match="chunked_local_attention KV cache groups"):
+        scheduler(vllm_config, ChunkedLocalAttentionSpec(attention_chunk_size=64, **SPEC))
+    # Two precisions in one group: vLLM would zero new blocks, which the tree never reports.
+    mixed = UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs={
+        "layer.0": FullAttentionSpec(**SPEC),
+        "layer.1": FullAttentionSpec(**{**SPEC, "dtype": torch.bfloat16})})
+    with pytest.raises(ValueError, match="must be zeroed"):
+        scheduler(vllm_config, mixed)
