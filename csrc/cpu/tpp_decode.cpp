@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../softmax_state.h"
@@ -98,15 +99,28 @@ void store_out_row(void* dst, const float* o, float inv_l, int64_t head_size) {
   for (int64_t i = 0; i < head_size; ++i) d[i] = static_cast<T>(o[i] * inv_l);
 }
 
-// Runs f(item, thread) for items [0, n) on torch's intra-op threads, handing items out one at a time:
-// work items differ widely in size (node length x sharers), so a static split would idle threads.
-template <typename F>
-void parallel_items(int64_t n, int num_threads, const F& f) {
-  std::atomic<int64_t> next{0};
+// Runs f1(item, thread) for the chunk-first items [0, n1), then f2(item, thread) for the
+// sequence-first items [0, n2), in ONE parallel region on torch's intra-op threads (a fork/join
+// wakes every thread, and on a shared machine waits for a descheduled one, once per region).
+// Items go out one at a time, in ticket order (sizes differ widely, so a static split would idle
+// threads): every chunk-first ticket is drawn before any sequence-first one, so a thread holding
+// a sequence-first ticket waits only for chunk-first items already running elsewhere.
+template <typename F1, typename F2>
+void parallel_two_phases(int64_t n1, int64_t n2, int num_threads, const F1& f1, const F2& f2) {
+  std::atomic<int64_t> next{0}, done1{0};
+  const int64_t n = n1 + n2;
   at::parallel_for(0, std::min<int64_t>(num_threads, std::max<int64_t>(n, 1)), 1,
                    [&](int64_t, int64_t) {
                      const int tid = at::get_thread_num();
-                     for (int64_t w; (w = next.fetch_add(1)) < n;) f(w, tid);
+                     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+                       if (w < n1) {
+                         f1(w, tid);
+                         done1.fetch_add(1, std::memory_order_release);  // partials published
+                         continue;
+                       }
+                       while (done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
+                       f2(w - n1, tid);
+                     }
                    });
 }
 
@@ -249,7 +263,7 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
   float* pl = partial_l.data_ptr<float>();
 
   // ---- phase 1, chunk-first: all rows of a node's sharers against its KV, read once
-  parallel_items(static_cast<int64_t>(items.size()), num_threads, [&](int64_t w, int tid) {
+  auto chunk_first = [&](int64_t w, int tid) {
     const NodeItem& it = items[w];
     char* qrows = scratch_base + tid * thread_bytes;
     for (int64_t j = it.begin; j < it.end; ++j)
@@ -268,13 +282,13 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
     a.o_seq_stride = num_heads * head_size;
     a.ml_seq_stride = num_heads;
     kernel.fn(a);
-  });
+  };
 
   // ---- phase 2, sequence-first: each row's private tail, merged with its partials, normalised
   char* out_base = static_cast<char*>(out.data_ptr());
   const int64_t out_esz = out.element_size();
   float* lse_base = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  parallel_items(num_seqs * num_kv_heads, num_threads, [&](int64_t w, int tid) {
+  auto sequence_first = [&](int64_t w, int tid) {
     const int64_t i = w / num_kv_heads, h = w % num_kv_heads;
     char* qrows = scratch_base + tid * thread_bytes;
     float* so = reinterpret_cast<float*>(qrows + q_scratch);
@@ -310,7 +324,9 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
       }
       if (lse_base) lse_base[i * lse->stride(0) + hh * lse->stride(1)] = softmax_state_lse(sm[g], sl[g]);
     }
-  });
+  };
+  parallel_two_phases(static_cast<int64_t>(items.size()), num_seqs * num_kv_heads, num_threads,
+                      chunk_first, sequence_first);
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from .. import __version__
 from ..kv_layout import kv_cache_views
-from ..ops import kernel_name, tpp_decode
+from ..ops import TppLaunch, kernel_name
 from ..plan import PlanCache, TppPlan
 from . import logger
 from .sharing_stats import SHARING_STATS
@@ -81,6 +81,7 @@ class ChunkAttnMetadata:
     decode_block_table: torch.Tensor   # [num_decodes, max_blocks] int32
     decode_seq_lens: torch.Tensor      # [num_decodes] int32
     plan: TppPlan | None
+    decode: TppLaunch | None           # the plan's op arguments, resolved once for all layers
     prefill: object | None             # the platform backend's metadata for prefill rows
 
 
@@ -102,6 +103,10 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             self.base.isa = "vec"
             self.base._set_isa_to_layers(layer_names)
         self.block_size = kv_cache_spec.block_size
+        self.num_heads = vllm_config.model_config.get_num_attention_heads(
+            vllm_config.parallel_config)
+        self.head_size = kv_cache_spec.head_size
+        self.device = device
         self.plans = PlanCache(self.block_size, device)
         global _announced
         if not _announced:
@@ -118,10 +123,12 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             cm, decode_threshold=1)
         block_table = cm.block_table_tensor[:num_decodes]
         seq_lens = cm.seq_lens[:num_decodes]
-        plan = None
+        plan = decode = None
         if num_decodes:
             host_seq_lens = seq_lens.cpu()
             plan = self.plans.get(block_table.cpu(), host_seq_lens)
+            decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
+                               self.device)
             SHARING_STATS.record(num_decodes, int(host_seq_lens.sum()),
                                  self.plans.shared_kv_tokens, self.plans.num_builds,
                                  num_prefills > 0)
@@ -131,7 +138,7 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             tokens = slice(num_decode_tokens, cm.num_actual_tokens)
             prefill = self.base.build(0, split_attn_metadata([UBatchSlice(rows, tokens)], cm)[0])
         return ChunkAttnMetadata(cm.num_actual_tokens, num_decodes, block_table, seq_lens, plan,
-                                 prefill)
+                                 decode, prefill)
 
 
 class ChunkAttnImpl(AttentionImpl):
@@ -147,6 +154,7 @@ class ChunkAttnImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         base_backend, self.kv_layout, _ = _platform_base()
+        self._views = None
         self.base = base_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
@@ -165,15 +173,20 @@ class ChunkAttnImpl(AttentionImpl):
         md = attn_metadata
         nd = md.num_decodes
         if nd:
-            key_cache, value_cache = kv_cache_views(kv_cache, self.kv_layout)
-            tpp_decode(query[:nd], key_cache, value_cache, md.decode_block_table,
-                       md.decode_seq_lens, md.plan, self.scale, out=output[:nd])
+            key_cache, value_cache = self._kv_views(kv_cache)
+            md.decode.run(query[:nd], key_cache, value_cache, self.scale, output[:nd])
             # (layers run one after another, so all share the process's default workspace)
         if md.prefill is not None:
             end = md.num_actual_tokens
             self.base.forward(layer, query[nd:end], key[nd:end], value[nd:end], kv_cache,
                               md.prefill, output[nd:end])
         return output
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # A layer's cache tensor is allocated once: make its K/V views once, not every step.
+        if self._views is None or self._views[0] is not kv_cache:
+            self._views = (kv_cache, *kv_cache_views(kv_cache, self.kv_layout))
+        return self._views[1], self._views[2]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.base.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
