@@ -83,6 +83,7 @@ class ChunkAttnMetadata:
     plan: TppPlan | None
     decode: TppLaunch | None           # the plan's op arguments, resolved once for all layers
     prefill: object | None             # the platform backend's metadata for prefill rows
+    slot_mapping: torch.Tensor         # [num_actual_tokens] int64: KV cache slot of each token
 
 
 _announced = False
@@ -138,7 +139,7 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             tokens = slice(num_decode_tokens, cm.num_actual_tokens)
             prefill = self.base.build(0, split_attn_metadata([UBatchSlice(rows, tokens)], cm)[0])
         return ChunkAttnMetadata(cm.num_actual_tokens, num_decodes, block_table, seq_lens, plan,
-                                 decode, prefill)
+                                 decode, prefill, slot_mapping=cm.slot_mapping)
 
 
 class ChunkAttnImpl(AttentionImpl):
