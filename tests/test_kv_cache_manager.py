@@ -107,3 +107,17 @@ def test_text_before_the_first_image_is_shared_across_images(hasher, offset):
     full = (len(prompt) - 1) // BS * BS
     assert hits["tree"] == hits["stock"] == {"other_image": 2 * BS, "same_image": full,
                                              "text_only": 2 * BS}, hits
+
+
+def test_max_cache_hit_length_caps_the_match_in_tokens(hasher):
+    """vLLM 0.33 calls get_computed_blocks(request, max_cache_hit_length) positionally; the cap
+    is in tokens and only whole chunks below it hit (the last token is still recomputed)."""
+    manager = make_manager("tree", 64, BS)
+    prompt = list(range(3, 3 + 5 * BS))
+    run_to_end(manager, request(hasher, "a", prompt))
+    req = request(hasher, "b", prompt)
+    assert lookup(manager, req) == 4 * BS                           # 5 * BS - 1 hittable
+    hits = {cap: manager.get_computed_blocks(req, cap)[1]
+            for cap in (0, BS - 1, 2 * BS, 2 * BS + 7, 10 * BS)}
+    assert hits == {0: 0, BS - 1: 0, 2 * BS: 2 * BS, 2 * BS + 7: 2 * BS, 10 * BS: 4 * BS}
+    assert manager.get_computed_blocks(req, None)[1] == 4 * BS

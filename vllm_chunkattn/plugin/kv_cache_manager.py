@@ -46,12 +46,17 @@ class ChunkTreeKVCacheManager(KVCacheManager):
         num_free = len(tree.free_block_ids) + tree.num_cached_blocks   # as vLLM: cached is free
         return 1.0 - num_free / tree.pool_size
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
+                            ) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM 0.33 passes max_cache_hit_length (tokens) positionally; 0.32 does not."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         # The last token is always recomputed, to get its logits.
+        max_tokens = request.num_tokens - 1
+        if max_cache_hit_length is not None:
+            max_tokens = min(max_tokens, max_cache_hit_length)
         matched = self.tree.match_prefix(request.all_token_ids, request_namespace(request),
-                                         request.num_tokens - 1)
+                                         max_tokens)
         if not matched:
             return self.empty_kv_cache_blocks, 0, 0
         blocks = self._blocks
