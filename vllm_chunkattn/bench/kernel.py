@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_layout import alloc_kv_cache, kv_cache_views
-from ..ops import TppWorkspace, tpp_decode
+from ..ops import TppLaunch, TppWorkspace
 from ..plan import build_plan, empty_plan
 
 FULL = dict(n_p=(1024, 2048, 4096), share=(0, 0.5, 1), b=(8, 32, 64), heads=((32, 8), (32, 32)),
@@ -72,10 +72,41 @@ class KvPool:
 # ---- the contenders: each returns a zero-argument callable writing into a preallocated output
 
 def ours(bt: Batch, plan):
-    out, ws = torch.empty_like(bt.query), TppWorkspace()
-    plan = plan.to(bt.query.device)
-    return lambda: tpp_decode(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
-                              bt.seq_lens, plan, bt.scale, out, workspace=ws, kernel="native")
+    """One layer's call, as the backend makes it: the step's TppLaunch is built beforehand."""
+    out = torch.empty_like(bt.query)
+    launch = TppLaunch(plan.to(bt.query.device), bt.block_table, bt.seq_lens, bt.query.shape[1],
+                       bt.query.shape[2], bt.query.device, TppWorkspace(), kernel="native")
+    return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)
+
+
+def plan_step(bt: Batch, block_size: int):
+    """The host work of one step, shared by every layer: plan from the host block table, to the
+    device, TppLaunch (as ChunkAttnMetadataBuilder.build does on a rebuild)."""
+    host_table, host_lens = bt.block_table.cpu(), bt.seq_lens.cpu()
+
+    def run():
+        plan = build_plan(host_table, host_lens, block_size).to(bt.query.device)
+        return TppLaunch(plan, bt.block_table, bt.seq_lens, bt.query.shape[1], bt.query.shape[2],
+                         bt.query.device, TppWorkspace(), kernel="native")
+    return run
+
+
+def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The CPU_ATTN ISA vLLM itself picks on this machine (amx where the CPU has AMX)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    return _get_attn_isa(dtype, block_size, head_size)
+
+
+def torch_gemm_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """torch's own large-GEMM rate (n^3, median of reps) on this machine, in this run."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n ** 3 / statistics.median(times) / 1e9
 
 
 def sdpa_per_sequence(bt: Batch):
@@ -203,16 +234,15 @@ def run_grid(args) -> list[dict]:
     timer = Timer(device)
     rows = []
     for (hq, hkv), block in itertools.product(args.heads or g["heads"], g["block"]):
-        isa = "vec16" if block % 32 else "vec"
+        isa = vllm_cpu_isa(dtype, block, args.head_size) if device.type == "cpu" else ""
         per_seq_blocks = -(-(max(g["n_p"]) + 1) // block)
         pool = KvPool(max(g["b"]) * per_seq_blocks + 1, block, hkv, args.head_size, dtype, device,
                       layout)
         for n_p, share, b in itertools.product(g["n_p"], g["share"], g["b"]):
             n_s = int(n_p * share) // block * block
             bt = pool.batch(n_p, n_s, b, hq, seed=n_p + b)
-            t0 = time.perf_counter()
+            plan_ms = timer(plan_step(bt, block), args.reps)
             plan = build_plan(bt.block_table.cpu(), bt.seq_lens.cpu(), block)
-            plan_ms = (time.perf_counter() - t0) * 1e3
             contenders = {"ours": ours(bt, plan)}
             if device.type == "cpu":
                 contenders["cpu_attn"] = cpu_attn(bt, isa)
@@ -225,13 +255,15 @@ def run_grid(args) -> list[dict]:
             if b <= args.naive_max_b or device.type == "cuda":
                 contenders["sdpa_per_seq"] = sdpa_per_sequence(bt)
             base_name = "cpu_attn" if device.type == "cpu" else "sdpa_per_seq"
-            expect = contenders[base_name]().clone()
+            expect = contenders["ours" if isa == "amx" else base_name]().clone()
             for name, fn in contenders.items():   # all computed the same thing, or stop
+                if isa == "amx" and "cpu_attn" in (name, base_name):
+                    continue    # AMX reads K packed in tiles: timed on the same bytes, not compared
                 torch.testing.assert_close(fn().float(), expect.float(), atol=args.tol,
                                            rtol=args.tol, msg=lambda m: f"{name} vs {base_name}: {m}")
             row = dict(device=device.type, n_p=n_p, n_s=n_s, b=b, heads=f"{hq}/{hkv}",
                        head_size=args.head_size, block=block, dtype=args.dtype,
-                       baseline_isa=isa if device.type == "cpu" else "", plan_ms=round(plan_ms, 3))
+                       baseline_isa=isa, plan_ms=round(plan_ms, 3))
             for name, fn in contenders.items():
                 naive_cpu = name == "sdpa_per_seq" and device.type == "cpu"
                 # naive CPU: seconds a call, already warmed by the check above; one repeat
@@ -239,9 +271,14 @@ def run_grid(args) -> list[dict]:
                                                 warmup=not naive_cpu), 3)
             row.setdefault("sdpa_per_seq_ms", float("nan"))
             row["ours_vs_" + base_name] = round(row[f"{base_name}_ms"] / row["ours_ms"], 2)
+            # The plan is built once per step for all layers: its share of one layer's call.
+            row["step_ours_vs_" + base_name] = round(
+                row[f"{base_name}_ms"] / (row["ours_ms"] + plan_ms / args.layers), 2)
             if "sdpa_per_seq" != base_name:
                 row["ours_vs_sdpa_per_seq"] = round(row["sdpa_per_seq_ms"] / row["ours_ms"], 2)
             row["ours_gflops"] = round(attention_flops(bt) / row["ours_ms"] / 1e6, 1)
+            if device.type == "cpu":
+                row["ours_vs_torch_gemm"] = round(row["ours_gflops"] / args.gemm_gflops, 2)
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             del bt, contenders, expect
@@ -254,6 +291,7 @@ def write_results(rows, args, out_dir: Path, command: str):
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"kernel_{args.device}" + ("" if args.grid == "full" else f"_{args.grid}")
     stem += f"_{args.model_shape}" if args.model_shape else ""
+    stem += "_fp32" if args.dtype == "float32" else ""
     df = pd.DataFrame(rows)
     df.to_csv(out_dir / f"{stem}.csv", index=False)
     base = "cpu_attn" if args.device == "cpu" else "sdpa_per_seq"
@@ -263,6 +301,14 @@ def write_results(rows, args, out_dir: Path, command: str):
              f"medians in ms after a warm-up; speed-up = baseline / ours. Every sequence holds "
              f"n_p prompt tokens + 1; the first n_s are shared by all b sequences. Outputs were "
              f"checked equal (atol = rtol = {args.tol}) before timing.", "",
+             f"- baseline_isa: the CPU_ATTN ISA vLLM picks itself on this machine and block size "
+             f"(amx on AMX CPUs for bf16 at block % 32 == 0; that layout packs K, so it is timed "
+             f"on the same bytes but not compared).",
+             f"- plan_ms: the host work of one step, done once for all layers (plan from the "
+             f"block table, to the device, TppLaunch); step_ours_vs_*: the speed-up with "
+             f"plan_ms / {args.layers} layers added to ours.",
+             f"- ours_vs_torch_gemm: ours_gflops over torch's own {args.dtype} GEMM rate on "
+             f"2048^3 measured in this run: {args.gemm_gflops:.0f} GFLOP/s.", "",
              markdown_table(df)]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     plot(df, base, out_dir / f"{stem}.png")
@@ -303,7 +349,12 @@ def main(argv=None) -> int:
                    help="full: the issue's grid; goals: only its goal points (file stem "
                         "kernel_<device>_goals)")
     p.add_argument("--out", type=Path, default=None, help="folder for kernel_<device>.{csv,md,png}")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="KV and query dtype (float32: the CPU kernels' fp32 path, as the tiny "
+                        "model's fp32 exactness runs serve it)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers the per-step plan cost is divided over in step_ours_vs_* "
+                        "(default: the --model-shape's, else 16)")
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--model-shape", default=None,
                    help="heads / kv heads / head size of a vllm_chunkattn.model_shapes shape "
@@ -314,14 +365,18 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=2e-2, help="output agreement required before timing")
     args = p.parse_args(argv)
     args.heads = None
+    from ..model_shapes import SHAPES, attention_shape
     if args.model_shape:
-        from ..model_shapes import SHAPES, attention_shape
         if args.model_shape not in SHAPES:
             p.error(f"--model-shape: choose from {list(SHAPES)}")
         num_heads, num_kv_heads, args.head_size = attention_shape(args.model_shape)
         args.heads = ((num_heads, num_kv_heads),)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA GPU")
+    if args.layers is None:
+        args.layers = (SHAPES[args.model_shape]["num_hidden_layers"] if args.model_shape else 16)
+    args.gemm_gflops = (torch_gemm_gflops(getattr(torch, args.dtype)) if args.device == "cpu"
+                        else float("nan"))
     rows = run_grid(args)
     if args.out is not None:
         command = "python -m vllm_chunkattn.bench kernel " + " ".join(
