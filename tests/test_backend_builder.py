@@ -46,3 +46,21 @@ def test_metadata_carries_the_batch_slot_mapping(vllm_config):
         md = builder.build(0, cm)
     assert md.num_decodes == 2 and md.prefill is not None
     assert torch.equal(md.slot_mapping, torch.tensor([71, 103, 128, 129, 130, 131, 132]))
+
+
+def test_missing_native_kernel_is_a_startup_error_unless_opted_in(vllm_config, monkeypatch):
+    """No silent slow path: without the native kernel for the device, building the backend fails
+    and names the fix; CHUNKATTN_ALLOW_REFERENCE=1 opts in to the PyTorch reference."""
+    assert backend.kernel_name(torch.device("cpu")) == "native-cpu"    # this checkout's build
+    monkeypatch.setattr(backend, "_announced", False)
+    make_builder(vllm_config)                                          # the real kernel: starts
+    monkeypatch.setattr(backend, "_announced", False)
+    monkeypatch.setattr(backend, "kernel_name", lambda device: "torch-reference")
+    monkeypatch.delenv("CHUNKATTN_ALLOW_REFERENCE", raising=False)
+    with pytest.raises(RuntimeError) as err:
+        make_builder(vllm_config)
+    message = str(err.value)
+    assert "pip install -e . --no-build-isolation" in message
+    assert "CHUNKATTN_ALLOW_REFERENCE=1" in message
+    monkeypatch.setenv("CHUNKATTN_ALLOW_REFERENCE", "1")
+    assert make_builder(vllm_config).block_size == BS

@@ -111,11 +111,24 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         self.plans = PlanCache(self.block_size, device)
         global _announced
         if not _announced:
+            import os
+            kernel = kernel_name(device)
+            # The PyTorch reference decodes 10-100x slower: serve with it only when asked to.
+            allow_reference = os.environ.get("CHUNKATTN_ALLOW_REFERENCE") == "1"
+            if kernel == "torch-reference" and not allow_reference:
+                raise RuntimeError(
+                    f"vllm-chunkattn: no native TPP decode kernel for device {device} (the "
+                    "extension was not built for it, or does not load). Rebuild it from the "
+                    "source checkout with `pip install -e . --no-build-isolation`, or set "
+                    "CHUNKATTN_ALLOW_REFERENCE=1 to serve with the PyTorch reference (slow).")
             _announced = True
             logger.info("vllm-chunkattn %s: ChunkAttention backend (CUSTOM) in use: TPP decode "
                         "kernel=%s, chunk size=%d tokens (= vLLM block size), prefill and KV "
-                        "writes via %s", __version__, kernel_name(device), self.block_size,
+                        "writes via %s", __version__, kernel, self.block_size,
                         base_backend.get_name())
+            if kernel == "torch-reference":
+                logger.warning("CHUNKATTN_ALLOW_REFERENCE=1: TPP decode runs the PyTorch "
+                               "reference, 10-100x slower than the native kernel")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ChunkAttnMetadata:
