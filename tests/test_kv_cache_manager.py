@@ -1,5 +1,9 @@
 """ChunkTreeKVCacheManager against vLLM's own KVCacheManager (prefix caching on) through the calls
 the scheduler makes, no engine: what may be shared across requests (prompt embeddings, images)."""
+import inspect
+import re
+import types
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -7,10 +11,13 @@ pytest.importorskip("vllm")
 import torch
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
+from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
 from vllm_chunkattn.plugin.manager_sim import make_manager
 
 pytestmark = pytest.mark.vllm
@@ -121,3 +128,36 @@ def test_max_cache_hit_length_caps_the_match_in_tokens(hasher):
             for cap in (0, BS - 1, 2 * BS, 2 * BS + 7, 10 * BS)}
     assert hits == {0: 0, BS - 1: 0, 2 * BS: 2 * BS, 2 * BS + 7: 2 * BS, 10 * BS: 4 * BS}
     assert manager.get_computed_blocks(req, None)[1] == 4 * BS
+
+
+def test_every_method_the_scheduler_calls_is_the_tree_managers_own():
+    """Composition, not adoption: whatever the installed vLLM's Scheduler calls on its KV cache
+    manager is defined in ChunkTreeKVCacheManager's own class body (a tree answer, an explicit
+    delegation or a clear refusal), never inherited to run on stock state the tree never fills.
+    Attributes the scheduler reads (not methods) must still be there."""
+    source = inspect.getsource(vllm_scheduler)
+    names = set(re.findall(r"self\.kv_cache_manager\s*\.\s*(\w+)", source))
+    methods = {name for name in names if isinstance(
+        inspect.getattr_static(KVCacheManager, name, None), (types.FunctionType, property))}
+    assert {"get_computed_blocks", "allocate_slots", "free", "usage"} <= methods, names
+    inherited = sorted(name for name in methods if name not in ChunkTreeKVCacheManager.__dict__)
+    assert inherited == [], f"the tree manager inherits {inherited} from KVCacheManager"
+    manager = make_manager("tree", 16, BS)
+    assert all(hasattr(manager, name) for name in names - methods), names - methods
+
+
+def test_connector_lookups_answer_from_the_tree(hasher):
+    """The connector-side lookups the scheduler calls give what vLLM's manager gives."""
+    prompt = list(range(3, 3 + 4 * BS + 3))
+    answers = {}
+    for kind in KINDS:
+        manager = make_manager(kind, 64, BS)
+        run_to_end(manager, request(hasher, "a", prompt))
+        req = request(hasher, "b", prompt)
+        blocks, num_hit, _, diverged = manager.get_computed_blocks_for_connector(req)
+        truncated = manager.truncate_computed_blocks(blocks, 2 * BS)
+        manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, blocks)
+        answers[kind] = (num_hit, diverged, len(truncated.get_block_ids()[0]),
+                         [len(manager.get_block_ids_for_computed_tokens("b", n)[0])
+                          for n in (0, 1, BS, BS + 1, req.num_tokens)])
+    assert answers["tree"] == answers["stock"] == (4 * BS, False, 2, [0, 1, 1, 2, 5]), answers

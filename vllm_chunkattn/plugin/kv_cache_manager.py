@@ -1,9 +1,10 @@
 """vLLM's KVCacheManager with the chunk prefix tree as its source of truth (CUSTOM backend only).
 
 Prefix matching, caching and eviction go through `ChunkPrefixTree`; vLLM's block-hash map and
-free queue are never consulted on this path. The stock manager's coordinator stays attached only
-for the no-op per-step hooks (copy-on-write, Mamba offloads, zeroing) the scheduler drains, and
-its `BlockPool.blocks` serve as the `KVCacheBlock` id carriers `KVCacheBlocks` expects.
+free queue are never consulted on this path. Every method vLLM's scheduler calls is defined here
+(tests/test_kv_cache_manager.py checks the installed vLLM): a tree answer, an explicit delegation
+where vLLM's state is still the truth (hit statistics), or a clear refusal. The stock manager's
+`BlockPool.blocks` serve as the `KVCacheBlock` id carriers `KVCacheBlocks` expects.
 
 Why a whole-manager swap (installed by `ChunkAttnScheduler`, see scheduler.py) rather than a
 custom KVCacheSpec + SingleTypeKVCacheManager via `customize_spec`: a single-type manager sees
@@ -28,8 +29,8 @@ from .namespace import request_namespace
 
 
 class ChunkTreeKVCacheManager(KVCacheManager):
-    """Built from the scheduler's stock manager (adopting its attributes, so stats, config and
-    the per-step drains keep working); the tree owns every block id except the null block 0."""
+    """Built from the scheduler's stock manager (adopting its attributes: config, hit statistics
+    and the ones the scheduler reads directly); the tree owns every block id but the null block."""
 
     def __init__(self, stock: KVCacheManager, block_size: int):
         self.__dict__.update(stock.__dict__)
@@ -73,6 +74,22 @@ class ChunkTreeKVCacheManager(KVCacheManager):
         if request_id not in self.tree.seqs:
             return ([],)
         return (self.tree.block_ids(request_id),)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
+                                          ) -> tuple[list[int], ...]:
+        num_blocks = _num_blocks_for(num_computed_tokens, self.block_size)
+        return (self.get_block_ids(request_id)[0][:num_blocks],)
+
+    def get_computed_blocks_for_connector(self, request: Request
+                                          ) -> tuple[KVCacheBlocks, int, int, bool]:
+        # vLLM's answer for models without Mamba groups: the plain lookup, never diverged.
+        return *self.get_computed_blocks(request), False
+
+    def truncate_computed_blocks(self, blocks: KVCacheBlocks,
+                                 num_computed_tokens: int) -> KVCacheBlocks:
+        assert num_computed_tokens % self.block_size == 0, num_computed_tokens
+        kept = list(blocks.blocks[0][:num_computed_tokens // self.block_size])
+        return KVCacheBlocks((kept,)) if kept else self.empty_kv_cache_blocks
 
     def estimate_cached_tokens(self, request: Request) -> int:
         seq = self.tree.seqs.get(request.request_id)
@@ -176,3 +193,37 @@ class ChunkTreeKVCacheManager(KVCacheManager):
 
     def take_events(self) -> list:
         return []                           # KV events are refused at start-up
+
+    # -- hit statistics: vLLM's own counters (no block state), delegated explicitly --------------
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        super().record_prefix_cache_stats(request, num_hits)
+
+    def make_prefix_cache_stats(self):
+        return super().make_prefix_cache_stats()
+
+    # -- per-step drains: what vLLM's single-type managers hand the worker ----------------------
+    # One full-attention group without zeroing is all the scheduler admits (scheduler.py), so
+    # these have nothing to report; the stock coordinator never sees an allocation to drain.
+
+    def new_step_starts(self) -> None:
+        pass                                # per-step state exists for sliding window / Mamba only
+
+    def take_new_block_ids(self) -> list[int]:
+        return []                           # no block needs zeroing
+
+    def take_kv_cache_block_copies(self) -> tuple[list, list]:
+        return [], []                       # no copy-on-write: tails are private, chunks shared
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}                           # Mamba "align" states only
+
+    # -- KV connectors only (refused at start-up) ------------------------------------------------
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        raise NotImplementedError("KV connectors are not supported by the chunk tree "
+                                  "(finalize_partial_tail_offloads)")
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        raise NotImplementedError("KV connectors are not supported by the chunk tree "
+                                  "(record_blocks_for_zeroing after a failed KV load)")
