@@ -18,6 +18,7 @@ every token of a node and the chunk-first phase needs no mask.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,9 +145,11 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int) -> TppPlan:
 class PlanCache:
     """Rebuilds the plan only when the sharing structure can have changed (the paper's lazy
     context copy): the block ids of every row's full blocks and the number of full blocks. While
-    rows only grow inside their private tail blocks the plan is reused as is."""
+    rows only grow inside their private tail blocks the plan is reused as is.
+    CHUNKATTN_PLAN_CACHE=0 rebuilds every step (for `bench ablation`)."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu"):
+        self.enabled = os.environ.get("CHUNKATTN_PLAN_CACHE", "1") != "0"
         self.block_size = block_size
         self.device = torch.device(device)
         self._key: tuple[np.ndarray, np.ndarray] | None = None
@@ -163,7 +166,7 @@ class PlanCache:
         width = int(full.max()) if full.size else 0
         held = np.where(np.arange(width)[None, :] < full[:, None], bt[:, :width], -1)
         key = (full, held)
-        if (self._key is not None and self._plan is not None
+        if (self.enabled and self._key is not None and self._plan is not None
                 and np.array_equal(self._key[0], full) and np.array_equal(self._key[1], held)):
             self.num_reuses += 1
             return self._plan

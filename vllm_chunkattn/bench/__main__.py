@@ -1,4 +1,4 @@
-"""python -m vllm_chunkattn.bench {kernel,ab,sched,plan} ...: each subcommand is a module with main(argv)."""
+"""python -m vllm_chunkattn.bench {kernel,ab,offline,sched,plan} ...: each subcommand is a module with main(argv)."""
 import importlib
 import sys
 
@@ -7,6 +7,8 @@ COMMANDS = {
     "plan": "vllm_chunkattn.bench.plan",       # plan build / rebuild cost
     "sched": "vllm_chunkattn.bench.sched",     # scheduler step time, peak KV blocks (tree vs stock)
     "ab": "vllm_chunkattn.bench.ab",           # vllm bench serve: stock vs --attention-backend CUSTOM
+    "offline": "vllm_chunkattn.bench.offline",  # LLM.generate decode tok/s: stock vs CUSTOM
+    "ablation": "vllm_chunkattn.bench.ablation",  # serving: CUSTOM with each suspect switched off
 }
 
 
