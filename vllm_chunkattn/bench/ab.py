@@ -21,11 +21,9 @@ import contextlib
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,9 +31,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_chunkattn.bench import ab_report
+from vllm_chunkattn.bench import ab_report, provenance
 from vllm_chunkattn.bench.ab_workloads import (Workload, full_workloads, smoke_workloads,
                                                write_tree_jsonl)
+from vllm_chunkattn.model_shapes import has_weights
 from vllm_chunkattn.serve import ServerError, ServerProcess
 
 # Flags added to the common server flags per system. Stock keeps vLLM's default prefix caching
@@ -276,22 +275,6 @@ def run_workload(server: ServerProcess, system: str, w: Workload, model: str, tm
     return row
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def native_build() -> str:
-    """Which CUSTOM native kernel build ran (it is rebuilt often while being optimised)."""
-    sos = sorted(Path(__file__).parents[1].glob("_C*.so"))
-    if not sos:
-        return "no native .so (PyTorch fallback)"
-    return f"{sos[0].name} built {time.strftime('%Y-%m-%d %H:%M', time.localtime(sos[0].stat().st_mtime))}"
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench ab",
                                 description=__doc__.splitlines()[0])
@@ -349,13 +332,15 @@ def main(argv=None) -> int:
     common = shlex.split(a.server_args if a.server_args is not None
                          else TINY_SERVER_ARGS.format(kv_bytes=a.kv_cache_bytes, dtype=a.dtype))
     common += ["--served-model-name", SERVED_NAME]
+    if not has_weights(model) and "--load-format" not in common:
+        common += ["--load-format", "dummy"]        # a model_shapes config: no weights
     tmp = Path(a.log_dir or tempfile.mkdtemp(prefix="chunkattn-ab-"))
     tmp.mkdir(parents=True, exist_ok=True)
     out = Path(a.out)
     setup = {"model": model, "server_args": shlex.join(common), "systems": systems,
-             "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
-             "native": native_build(),
-             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+             "commit": provenance.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
+             "native": provenance.native_build(),
+             "machine": f"{provenance.machine()}, load average {provenance.load_average()}",
              "budget_min": budget_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke,
              "workloads": [(w.name, w.num_prompts, w.request_rate, shlex.join(w.bench_args)
                             + (f" --dataset-path <{w.name}.jsonl: system {w.tree['system_len']}"

@@ -1,0 +1,347 @@
+"""`python -m vllm_chunkattn.bench offline`: decode throughput of stock vLLM vs
+`attention_backend="CUSTOM"` through `LLM.generate`, no API server.
+
+Two engines live for the whole run, each in its own process driven over a pipe; only one works at
+a time. Per workload (`--batch` requests sharing one `--shared`-token prefix, each with its own
+private tokens), both engines first prefill and cache every prompt (max_tokens=1); each prompt is
+a multiple of the block size plus one token long, so a timed generate recomputes only its last
+token: one 1-token-per-request prefill step, then max_tokens - 1 decode steps. Timed calls run in
+A B B A order, `--repeats` times; the report gives median and best decode tok/s per system.
+
+    python -m vllm_chunkattn.bench offline                                   # tiny model
+    python -m vllm_chunkattn.bench offline --model models/llama-3.2-1b --tag llama1b
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import multiprocessing as mp
+import os
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_chunkattn.bench import provenance
+from vllm_chunkattn.model_shapes import describe, has_weights
+
+SYSTEMS = ("stock", "custom")
+COLUMNS = ["workload", "shared_len", "private_len", "prompt_len", "batch", "max_tokens", "system",
+           "median_tok_s", "best_tok_s", "median_step_ms", "best_step_ms", "ratio_custom_stock",
+           "cached_prompt_pct", "mismatched_requests", "seconds"]
+
+
+@dataclass
+class Workload:
+    shared_len: int
+    private_len: int
+    prompts: list[list[int]]
+
+    @property
+    def name(self) -> str:
+        return f"shared{self.shared_len}"
+
+
+def make_workloads(a, vocab: list[int]) -> list[Workload]:
+    """Token-id prompts: one prefix shared by the whole batch + private tokens, each prompt
+    rounded up to k * block_size + 1 tokens (all k blocks cached, the last token recomputed)."""
+    out = []
+    for shared in a.shared:
+        rng = random.Random(a.seed + shared)
+        length = -(-(shared + a.private) // a.block_size) * a.block_size + 1
+        prefix = [rng.choice(vocab) for _ in range(shared)]
+        prompts = [prefix + [rng.choice(vocab) for _ in range(length - shared)]
+                   for _ in range(a.batch)]
+        out.append(Workload(shared, length - shared, prompts))
+    return out
+
+
+# ---- engine processes
+
+def _engine_main(conn, engine_kwargs: dict, kv_cache_gb: int, log_path: str) -> None:
+    """Child: one LLM; answers ("generate", prompts, max_tokens) with (seconds, token ids,
+    cached prompt tokens) until ("stop",). Its (and its EngineCore's) output goes to log_path."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        llm = LLM(**engine_kwargs)
+    except Exception as e:  # noqa: BLE001  (whatever failed, the parent reports it)
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            # Before exit: multiprocessing's exit joins the (non-daemon) EngineCore process,
+            # which would wait forever for this client's shutdown.
+            llm.llm_engine.engine_core.shutdown()
+            break
+        _, prompts, max_tokens = msg
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        conn.send(("done", (seconds, [list(o.outputs[0].token_ids) for o in outs],
+                            sum(o.num_cached_tokens or 0 for o in outs))))
+    conn.close()
+
+
+class Engine:
+    def __init__(self, system: str, engine_kwargs: dict, kv_cache_gb: int, log_path: Path):
+        self.system, self.log_path = system, log_path
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_main, name=f"offline-{system}",
+                                args=(child, engine_kwargs, kv_cache_gb, str(log_path)))
+        self.proc.start()
+        child.close()
+
+    def wait_ready(self) -> None:
+        self._recv("ready")
+
+    def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]], int]:
+        self.conn.send(("generate", prompts, max_tokens))
+        return self._recv("done")
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(("stop",))
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+
+    def _recv(self, kind: str):
+        try:
+            tag, payload = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.system} engine died; log: {self.log_path}\n"
+                               + _tail(self.log_path)) from None
+        if tag != kind:
+            raise RuntimeError(f"{self.system} engine: {payload}; log: {self.log_path}\n"
+                               + _tail(self.log_path))
+        return payload
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return ""
+
+
+# ---- measurement
+
+def run_workload(engines: dict[str, Engine], w: Workload, a) -> list[dict]:
+    for e in engines.values():              # prefill + cache: the prefix once, then every prompt
+        e.generate(w.prompts[:1], 1)
+        e.generate(w.prompts, 1)
+    times = {s: [] for s in SYSTEMS}
+    tokens, cached = {}, {}
+    for _ in range(a.repeats):
+        for s in ("stock", "custom", "custom", "stock"):
+            seconds, out, num_cached = engines[s].generate(w.prompts, a.max_tokens)
+            times[s].append(seconds)
+            tokens.setdefault(s, out)
+            cached.setdefault(s, num_cached)
+    mismatched = sum(x != y for x, y in zip(tokens["stock"], tokens["custom"]))
+    num_out = len(w.prompts) * a.max_tokens
+    rows = []
+    for s in SYSTEMS:
+        med, best = statistics.median(times[s]), min(times[s])
+        rows.append({"workload": w.name, "shared_len": w.shared_len, "private_len": w.private_len,
+                     "prompt_len": len(w.prompts[0]), "batch": len(w.prompts),
+                     "max_tokens": a.max_tokens, "system": s,
+                     "median_tok_s": num_out / med, "best_tok_s": num_out / best,
+                     "median_step_ms": 1e3 * med / a.max_tokens,
+                     "best_step_ms": 1e3 * best / a.max_tokens,
+                     "cached_prompt_pct": 100 * cached[s] / sum(map(len, w.prompts)),
+                     "mismatched_requests": mismatched,
+                     "seconds": " ".join(f"{t:.3f}" for t in times[s])})
+    ratio = rows[1]["median_tok_s"] / rows[0]["median_tok_s"]
+    for r in rows:
+        r["ratio_custom_stock"] = ratio
+    return rows
+
+
+def shared_cost_removed(rows: list[dict]) -> list[tuple[int, float]]:
+    """(S, share) for each S > 0: (TPOT_stock(S) - TPOT_custom(S)) / (TPOT_stock(S) -
+    TPOT_stock(0)), median step times; needs the shared-0 workload at the same private length."""
+    step = {(r["shared_len"], r["system"]): r["median_step_ms"] for r in rows}
+    if (0, "stock") not in step:
+        return []
+    out = []
+    for s in sorted({r["shared_len"] for r in rows if r["shared_len"] > 0}):
+        extra = step[(s, "stock")] - step[(0, "stock")]
+        out.append((s, (step[(s, "stock")] - step[(s, "custom")]) / extra if extra > 0
+                    else math.nan))
+    return out
+
+
+# ---- report
+
+def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"offline_{tag}"
+    with open(f"{stem}.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()})
+    m = setup["model"]
+    lines = [f"# Offline A/B: stock vLLM vs `attention_backend=\"CUSTOM\"` ({tag})", "",
+             f"Command: `{setup['command']}`", "",
+             f"- machine: {setup['machine']}; load average (1/5/15 min) before "
+             f"{setup['load_before']}, after {setup['load_after']}",
+             f"- model: `{m['path']}` ({m['architecture']}, {m['num_layers']} layers, "
+             f"{m['num_heads']} q / {m['num_kv_heads']} kv heads, head_dim {m['head_size']})"
+             f"{', dummy weights' if setup['dummy'] else ''}; dtype {setup['dtype']}, "
+             f"block size {setup['block_size']}, enforce_eager {setup['enforce_eager']}, "
+             f"KV space {setup['kv_cache_gb']} GiB per engine",
+             f"- commit {setup['commit']}, {setup['native']}, {setup['date']}, "
+             f"wall {setup['wall_min']:.1f} min; engine logs in `{setup['log_dir']}`", "",
+             f"Each timed call is one `LLM.generate` of the whole batch (greedy, ignore_eos) after "
+             f"both engines prefilled and cached every prompt: one 1-token-per-request prefill "
+             f"step + {setup['max_tokens'] - 1} decode steps. Order A B B A x {setup['repeats']}. "
+             f"tok/s = batch x max_tokens / seconds; step = seconds / max_tokens. Cached % is the "
+             f"share of prompt tokens the timed call found in the prefix cache. Mismatched = "
+             f"requests whose greedy token ids differ between the systems.", "",
+             "| workload | prompt (shared + private) | batch | stock tok/s med / best | "
+             "custom tok/s med / best | custom / stock | stock step ms | custom step ms | "
+             "cached % stock / custom | mismatched |", "|" + "---|" * 10]
+    by = {(r["workload"], r["system"]): r for r in rows}
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        st, cu = by[(name, "stock")], by[(name, "custom")]
+        lines.append(
+            f"| {name} | {st['prompt_len']} ({st['shared_len']} + {st['private_len']}) | "
+            f"{st['batch']} | {st['median_tok_s']:.1f} / {st['best_tok_s']:.1f} | "
+            f"{cu['median_tok_s']:.1f} / {cu['best_tok_s']:.1f} | "
+            f"{st['ratio_custom_stock']:.2f}× | {st['median_step_ms']:.1f} | "
+            f"{cu['median_step_ms']:.1f} | {st['cached_prompt_pct']:.1f} / "
+            f"{cu['cached_prompt_pct']:.1f} | {st['mismatched_requests']} / {st['batch']} |")
+    for s, share in shared_cost_removed(rows):
+        lines += ["", f"Share of the shared-prefix attention cost removed at S = {s}: "
+                  f"(TPOT_stock({s}) - TPOT_custom({s})) / (TPOT_stock({s}) - TPOT_stock(0)) = "
+                  f"**{share:.2f}** (median step times)."]
+    png = Path(f"{stem}.png")
+    _plot(rows, png)
+    lines += ["", f"![tok/s per workload]({png.name})"]
+    Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
+    return [Path(f"{stem}.csv"), Path(f"{stem}.md"), png]
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(names), 3.4))
+    for i, s in enumerate(SYSTEMS):
+        vals = [next(r["median_tok_s"] for r in rows if r["workload"] == n and r["system"] == s)
+                for n in names]
+        ax.bar([j + (i - 0.5) * 0.38 for j in range(len(names))], vals, 0.38, label=s)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("decode output tok/s (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench offline",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="local model dir (default: the tiny model); "
+                   "a dir without weights (vllm_chunkattn.model_shapes) loads dummy weights")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=64, help="CPU_ATTN needs a multiple of 32")
+    p.add_argument("--shared", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2048],
+                   help="comma list of shared-prefix lengths, one workload each")
+    p.add_argument("--private", type=int, default=160,
+                   help="private tokens per prompt (rounded up: prompt = k * block + 1)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="A B B A rounds per workload")
+    p.add_argument("--kv-cache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="report stem offline_<tag> (default: model name)")
+    p.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.model is None:
+        from vllm_chunkattn.tiny_model import ensure_tiny_model
+        a.model = str(ensure_tiny_model())
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+    special = set(tok.all_special_ids)
+    workloads = make_workloads(a, [i for i in range(len(tok)) if i not in special])
+    max_len = max(len(w.prompts[0]) for w in workloads) + a.max_tokens
+    dummy = not has_weights(a.model)
+    kwargs = dict(model=a.model, dtype=a.dtype, block_size=a.block_size, seed=a.seed,
+                  max_model_len=-(-max_len // a.block_size) * a.block_size,
+                  max_num_seqs=max(a.batch, 1), enforce_eager=a.enforce_eager)
+    if dummy:
+        kwargs["load_format"] = "dummy"
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="chunkattn-offline-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tag = a.tag or Path(a.model).name
+    setup = {"command": "python -m vllm_chunkattn.bench offline " + shlex.join(argv),
+             "machine": provenance.machine(), "load_before": provenance.load_average(),
+             "model": {"path": a.model, **describe(a.model)}, "dummy": dummy, "dtype": a.dtype,
+             "block_size": a.block_size, "enforce_eager": a.enforce_eager,
+             "kv_cache_gb": a.kv_cache_gb, "commit": provenance.git_commit(),
+             "native": provenance.native_build(), "date": time.strftime("%Y-%m-%d %H:%M"),
+             "max_tokens": a.max_tokens, "repeats": a.repeats, "log_dir": str(log_dir)}
+    print(f"offline: {len(workloads)} workloads on {a.model} ({a.dtype}); engine logs in "
+          f"{log_dir}", flush=True)
+    t_start = time.monotonic()
+    engines = {s: Engine(s, {**kwargs, "attention_backend": "CUSTOM"} if s == "custom" else kwargs,
+                         a.kv_cache_gb, log_dir / f"{s}.log") for s in SYSTEMS}
+    rows: list[dict] = []
+    try:
+        for e in engines.values():
+            e.wait_ready()
+        print(f"offline: engines ready after {time.monotonic() - t_start:.0f} s", flush=True)
+        for w in workloads:
+            t0 = time.monotonic()
+            mine = run_workload(engines, w, a)
+            rows += mine
+            st, cu = mine
+            print(f"offline: {w.name} (prompt {len(w.prompts[0])}): stock "
+                  f"{st['median_tok_s']:.1f} tok/s (step {st['median_step_ms']:.1f} ms), custom "
+                  f"{cu['median_tok_s']:.1f} tok/s (step {cu['median_step_ms']:.1f} ms), "
+                  f"{st['ratio_custom_stock']:.2f}x, {st['mismatched_requests']} mismatched, "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        for e in engines.values():
+            e.stop()
+    for s, share in shared_cost_removed(rows):
+        print(f"offline: share of the shared-prefix attention cost removed at S={s}: {share:.2f}")
+    setup.update(load_after=provenance.load_average(),
+                 wall_min=(time.monotonic() - t_start) / 60)
+    paths = write_report(rows, setup, Path(a.out), tag)
+    print(f"offline: report: {', '.join(map(str, paths))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
