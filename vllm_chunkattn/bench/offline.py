@@ -88,7 +88,9 @@ def _engine_main(conn, engine_kwargs: dict, kv_cache_gb: int, log_path: str) -> 
             llm.llm_engine.engine_core.shutdown()
             break
         _, prompts, max_tokens = msg
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        # No detokenizing: model_shapes models emit ids past their small tokenizer's vocab.
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                detokenize=False)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=False)
