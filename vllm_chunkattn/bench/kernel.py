@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 from ..kv_layout import alloc_kv_cache, kv_cache_views
 from ..ops import TppLaunch, TppWorkspace
 from ..plan import build_plan, empty_plan
+from . import provenance
 
 FULL = dict(n_p=(1024, 2048, 4096), share=(0, 0.5, 1), b=(8, 32, 64), heads=((32, 8), (32, 32)),
             block=(16, 64))
@@ -213,17 +212,9 @@ def attention_flops(bt: Batch) -> float:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", load average %.1f / %.1f / %.1f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}){load}")
+    return (f"{provenance.machine()}, torch {torch.__version__} ({torch.get_num_threads()} "
+            f"threads, {torch.backends.cpu.get_cpu_capability()}), load average "
+            f"{provenance.load_average()}, commit {provenance.git_commit()}")
 
 
 def run_grid(args) -> list[dict]:
