@@ -1,10 +1,12 @@
 """The OpenAI server with --attention-backend CUSTOM: starts, answers /v1/completions and
-/metrics, rejects an over-long prompt with vLLM's normal 400, stops. Models whose attention TPP
-cannot compute exactly are refused at start-up with a message naming the reason."""
+/metrics (vLLM's metrics and the chunkattn:* sharing metrics, with no set-up), rejects an
+over-long prompt with vLLM's normal 400, stops. Models whose attention TPP cannot compute exactly
+are refused at start-up with a message naming the reason."""
 import json
 import shutil
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -26,29 +28,74 @@ def post(url, body):
         return r.status, json.loads(r.read())
 
 
-def test_server_answers_with_custom_backend():
-    with ServerProcess(str(tiny_model()), FLAGS + ["--attention-backend", "CUSTOM"]) as server:
-        assert any("ChunkAttention backend (CUSTOM) in use" in ln for ln in server.lines)
-        prompt = "you are a helpful assistant " * 20
-        status, body = post(server.url + "/v1/completions",
-                            {"model": "tiny", "prompt": prompt, "max_tokens": 16,
-                             "temperature": 0, "ignore_eos": True})
-        assert status == 200
-        assert body["usage"]["completion_tokens"] == 16
-        assert body["choices"][0]["text"].strip()
-        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
-        assert r.status == 200
-        assert "vllm:generation_tokens_total" in metrics
-        # Over-long prompt: vLLM's own 400, and the server keeps serving afterwards.
-        with pytest.raises(urllib.error.HTTPError) as err:
-            post(server.url + "/v1/completions",
-                 {"model": "tiny", "prompt": "you " * 2000, "max_tokens": 4})
-        assert err.value.code == 400
-        status, _ = post(server.url + "/v1/completions",
-                         {"model": "tiny", "prompt": prompt, "max_tokens": 2})
-        assert status == 200
+@pytest.fixture(scope="module")
+def custom_server():
+    server = ServerProcess(str(tiny_model()), FLAGS + ["--attention-backend", "CUSTOM"])
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "CHUNKATTN_METRICS_DIR"):
+        server.env.pop(name, None)            # /metrics must need no environment at all
+    with server:
+        yield server
     assert server.proc.poll() is not None        # stopped
+
+
+def scrape(server) -> dict[str, float]:
+    """Sample name -> value, summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def test_server_answers_with_custom_backend(custom_server):
+    server = custom_server
+    assert any("ChunkAttention backend (CUSTOM) in use" in ln for ln in server.lines)
+    prompt = "you are a helpful assistant " * 20
+    status, body = post(server.url + "/v1/completions",
+                        {"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                         "temperature": 0, "ignore_eos": True})
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 16
+    assert body["choices"][0]["text"].strip()
+    assert "vllm:generation_tokens_total" in scrape(server)
+    # Over-long prompt: vLLM's own 400, and the server keeps serving afterwards.
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(server.url + "/v1/completions",
+             {"model": "tiny", "prompt": "you " * 2000, "max_tokens": 4})
+    assert err.value.code == 400
+    status, _ = post(server.url + "/v1/completions",
+                     {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    assert status == 200
+
+
+SHARING_METRICS = ["chunkattn:decode_kv_tokens_total", "chunkattn:decode_shared_kv_tokens_total",
+                   "chunkattn:kv_saved_tokens", "chunkattn:chunks_in_use",
+                   "chunkattn:chunks_cached", "chunkattn:chunks_free",
+                   "chunkattn:chunk_evictions_total", "chunkattn:preemptions_total"]
+
+
+def test_metrics_show_sharing_with_no_setup(custom_server):
+    server = custom_server
+    system = "you are a helpful assistant that answers briefly " * 12   # a few shared chunks
+    bodies = [{"model": "tiny", "prompt": system + f"question {i}", "max_tokens": 24,
+               "temperature": 0, "ignore_eos": True} for i in range(3)]
+    bodies.append({**bodies[0], "n": 3, "temperature": 1.0, "seed": 0})   # 3 rows, one prompt
+    with ThreadPoolExecutor(len(bodies)) as pool:       # concurrent: they decode together
+        assert [s for s, _ in pool.map(lambda b: post(server.url + "/v1/completions", b),
+                                       bodies)] == [200] * len(bodies)
+    m = scrape(server)
+    missing = [name for name in SHARING_METRICS if name not in m]
+    assert not missing, missing
+    assert m["chunkattn:decode_shared_kv_tokens_total"] > 0, m
+    assert m["chunkattn:decode_kv_tokens_total"] > m["chunkattn:decode_shared_kv_tokens_total"]
+    # Every request has finished: no chunk in use, so none shared; the prompts stay cached.
+    assert m["chunkattn:chunks_in_use"] == m["chunkattn:kv_saved_tokens"] == 0, m
+    assert m["chunkattn:chunks_cached"] > 0, m
+    assert "vllm:generation_tokens_total" in m         # vLLM's own metrics are still there
 
 
 def _model_dir(tmp_path, name, config):

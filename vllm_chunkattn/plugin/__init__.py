@@ -60,7 +60,8 @@ def _use_tree_scheduler_with_custom_backend() -> None:
     (plugin/scheduler.py). The platform's check_and_update_config is where vLLM itself settles
     scheduler options (VllmConfig.__post_init__ picks its diffusion scheduler right after it);
     it runs in the process that builds the config, which then ships it to EngineCore. The tree
-    needs token ids when slots are allocated, so async scheduling is turned off with it."""
+    needs token ids when slots are allocated, so async scheduling is turned off with it.
+    That process is also the API server, whose /metrics then shows ours (plugin/prometheus.py)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -74,6 +75,8 @@ def _use_tree_scheduler_with_custom_backend() -> None:
         attention = getattr(vllm_config, "attention_config", None)
         if attention is None or attention.backend != AttentionBackendEnum.CUSTOM:
             return
+        from .prometheus import expose
+        expose()
         if os.environ.get("CHUNKATTN_TREE_KV_MANAGER", "1") == "0":   # A/B: vLLM's manager
             return
         sched = vllm_config.scheduler_config

@@ -109,6 +109,7 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         self.head_size = kv_cache_spec.head_size
         self.device = device
         self.plans = PlanCache(self.block_size, device)
+        SHARING_STATS.publish_to_metrics(vllm_config)
         global _announced
         if not _announced:
             import os

@@ -11,11 +11,10 @@ when CHUNKATTN_TREE_STATS_FILE is set, that file as JSON (tests and benchmarks r
 CHUNKATTN_DEBUG_TREE=1 also runs the tree's invariant checker every step.
 vLLM's own `prefix_cache_stats` (vllm:prefix_cache_queries/hits) keep being filled by the manager.
 
-Prometheus: EngineCore -> API server stats travel as a typed `SchedulerStats` msgspec struct
-with no extension field, so there is no clean way to carry these numbers inside vLLM's own
-stats. What does work: when PROMETHEUS_MULTIPROC_DIR is set (vLLM then serves /metrics from a
-multi-process registry that aggregates every process writing there), EngineCore publishes the
-`chunkattn:*` gauges below there, and they appear on vLLM's /metrics.
+Prometheus (plugin/prometheus.py): the tree's gauges, evictions and preemptions are written
+every step, after each step's results and after aborts, so /metrics is never a step behind; the
+decode KV counters there come from the worker's plans (plugin/sharing_stats.py), which cost
+nothing extra.
 """
 from __future__ import annotations
 
@@ -24,10 +23,14 @@ import os
 import time
 
 from . import logger
+from .prometheus import MetricsWriter
 
 
 class TreeMetrics:
-    def __init__(self, tree):
+    PUBLISHED = ("live_shared_kv_tokens", "in_use_blocks", "cached_blocks", "free_blocks",
+                 "evictions", "preemptions")
+
+    def __init__(self, tree, vllm_config=None):
         self.tree = tree
         self.interval_s = float(os.environ.get("CHUNKATTN_STATS_INTERVAL_S", "10"))
         self.path = os.environ.get("CHUNKATTN_TREE_STATS_FILE")
@@ -39,7 +42,7 @@ class TreeMetrics:
         self.max_decode_shared_kv_tokens = 0
         self.invariant_checks = self.preemptions = 0
         self._last = time.monotonic()
-        self._gauges = _prometheus_gauges() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+        self._writer = MetricsWriter.for_process(vllm_config, self.PUBLISHED)
 
     def on_step(self, num_scheduled_tokens: dict[str, int], requests) -> None:
         self.steps += 1
@@ -50,6 +53,7 @@ class TreeMetrics:
             decode_ids = [rid for rid, n in num_scheduled_tokens.items() if n == 1]
             if decode_ids:
                 self._record_decode(decode_ids)
+        self.publish()
         if self.interval_s == 0 or time.monotonic() - self._last >= self.interval_s:
             self.flush()
 
@@ -79,6 +83,10 @@ class TreeMetrics:
             "invariant_checks": self.invariant_checks, "preemptions": self.preemptions,
         }
 
+    def publish(self) -> None:
+        if self._writer:
+            self._writer.write(self.snapshot())
+
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last >= self.interval_s:
             self.flush()
@@ -91,31 +99,9 @@ class TreeMetrics:
             "sharing=%d tokens, prefix hit rate=%.1f%%, evictions=%d",
             d["num_live_seqs"], d["in_use_blocks"], d["cached_blocks"], d["free_blocks"],
             d["live_shared_kv_tokens"], 100 * d["hit_rate"], d["evictions"])
-        if self._gauges:
-            for key, gauge in self._gauges.items():
-                gauge.set(d[key])
         if self.path:
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(d, f)
             os.replace(tmp, self.path)
 
-
-PROMETHEUS = {   # snapshot key -> (metric name, help)
-    "live_shared_kv_tokens": ("chunkattn:kv_saved_tokens",
-                              "KV tokens stored once but used by several live sequences"),
-    "in_use_blocks": ("chunkattn:chunks_in_use", "Chunks (KV blocks) held by live sequences"),
-    "cached_blocks": ("chunkattn:chunks_cached", "Released chunks kept for prefix hits"),
-    "free_blocks": ("chunkattn:chunks_free", "Chunks holding no KV"),
-    "evictions": ("chunkattn:chunk_evictions", "Cached chunks evicted so far"),
-    "hit_rate": ("chunkattn:prefix_hit_rate", "Prompt tokens served from the tree / looked up"),
-    "decode_shared_kv_tokens": ("chunkattn:decode_shared_kv_tokens",
-                                "Decode KV tokens read through shared chunks so far (exact "
-                                "counting needs CHUNKATTN_TREE_STATS_FILE or CHUNKATTN_DEBUG_TREE)"),
-}
-
-
-def _prometheus_gauges() -> dict:
-    from prometheus_client import Gauge
-    return {key: Gauge(name, doc, multiprocess_mode="mostrecent")
-            for key, (name, doc) in PROMETHEUS.items()}

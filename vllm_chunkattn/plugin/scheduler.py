@@ -38,7 +38,7 @@ class ChunkAttnScheduler(Scheduler):
         self.sched_window = int(os.environ.get("CHUNKATTN_SCHED_WINDOW", "256"))
         self.max_wait_steps = int(os.environ.get("CHUNKATTN_SCHED_MAX_WAIT_STEPS", "64"))
         self._first_seen: dict[str, int] = {}
-        self.tree_metrics = TreeMetrics(self.tree)
+        self.tree_metrics = TreeMetrics(self.tree, vllm_config)
         logger.info("chunk prefix tree is the KV cache manager: %d blocks of %d tokens, "
                     "prefix-aware scheduling %s", self.tree.pool_size, self.block_size,
                     "on" if self.prefix_aware else "off")
@@ -58,9 +58,15 @@ class ChunkAttnScheduler(Scheduler):
 
     def update_from_output(self, *args, **kwargs):
         outputs = super().update_from_output(*args, **kwargs)
+        self.tree_metrics.publish()         # finished requests are released by now
         if self.tree_metrics.interval_s == 0:
-            self.tree_metrics.flush()       # finished requests are released by now
+            self.tree_metrics.flush()
         return outputs
+
+    def finish_requests(self, *args, **kwargs):
+        out = super().finish_requests(*args, **kwargs)
+        self.tree_metrics.publish()         # aborts free chunks between steps too
+        return out
 
     def make_stats(self, *args, **kwargs):
         stats = super().make_stats(*args, **kwargs)
@@ -69,6 +75,7 @@ class ChunkAttnScheduler(Scheduler):
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
         ok = super().reset_prefix_cache(*args, **kwargs)
+        self.tree_metrics.publish()
         self.tree_metrics.flush()
         return ok
 

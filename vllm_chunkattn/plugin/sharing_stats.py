@@ -2,6 +2,8 @@
 written there as JSON (the worker is a separate process; this is how demos and tests read it).
 
 CHUNKATTN_STATS_INTERVAL_S: seconds between log lines / file writes (default 10; 0 = every step).
+The KV token counters also go to /metrics every step, from one worker per engine
+(plugin/prometheus.py).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import time
 
 from . import logger
+from .prometheus import MetricsWriter
 
 
 class SharingStats:
@@ -21,6 +24,18 @@ class SharingStats:
         self.plan_builds = 0
         self.mixed_steps = 0          # steps with decode rows and (chunked-)prefill rows
         self._last = time.monotonic()
+        self._writer = None
+
+    def publish_to_metrics(self, vllm_config) -> None:
+        """Every rank of an engine plans the same decode batch: the first one speaks for all."""
+        from vllm.distributed.parallel_state import (get_pp_group,
+                                                     get_tensor_model_parallel_rank,
+                                                     model_parallel_is_initialized)
+        first = not model_parallel_is_initialized() or (
+            get_tensor_model_parallel_rank() == 0 and get_pp_group().is_first_rank)
+        if self._writer is None and first:
+            self._writer = MetricsWriter.for_process(vllm_config,
+                                                     ("kv_tokens", "shared_kv_tokens"))
 
     def record(self, num_rows: int, kv_tokens: int, shared_kv_tokens: int, plan_builds: int,
                with_prefill: bool):
@@ -32,6 +47,8 @@ class SharingStats:
         self.max_shared_kv_tokens_per_step = max(self.max_shared_kv_tokens_per_step,
                                                  shared_kv_tokens)
         self.plan_builds = plan_builds
+        if self._writer:
+            self._writer.write(vars(self))
         if time.monotonic() - self._last >= self.interval_s:
             self.flush()
 
