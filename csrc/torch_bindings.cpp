@@ -1,5 +1,5 @@
-// Every schema of torch.ops.chunkattn lives here; csrc/cpu and csrc/cuda register only their own
-// dispatch key. The empty PyInit__C lets `import vllm_chunkattn._C` load the library.
+// Every schema of torch.ops.chunkattn lives here; csrc/cpu, csrc/cuda and csrc/tpp_checks.cpp
+// register implementations for their own dispatch key only. The empty PyInit__C lets `import vllm_chunkattn._C` load the library.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -14,6 +14,13 @@ TORCH_LIBRARY(chunkattn, m) {
       "Tensor seq_partial_ids, Tensor seq_num_shared_blocks, Tensor(a!) partial_o, "
       "Tensor(b!) partial_m, Tensor(c!) partial_l, float scale, Tensor(d!) out, "
       "Tensor(e!)? lse) -> ()");
+  // The plan checks of tpp_decode on host tensors (csrc/tpp_checks.h), once per step, for a plan
+  // about to be copied to a device whose op checks only shapes.
+  m.def(
+      "tpp_check_plan(Tensor block_table, Tensor seq_lens, Tensor node_block_indptr, "
+      "Tensor node_block_ids, Tensor node_seq_indptr, Tensor node_seq_ids, "
+      "Tensor seq_partial_indptr, Tensor seq_partial_ids, Tensor seq_num_shared_blocks, "
+      "int num_blocks, int block_size) -> ()");
 }
 
 extern "C" PyObject* PyInit__C(void) {

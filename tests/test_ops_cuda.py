@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
@@ -248,3 +249,64 @@ def test_opcheck(ops):
     if os.environ.get("CHUNKATTN_OPCHECK_FAKE") == "1":
         utils.append("test_faketensor")
     torch.library.opcheck(torch.ops.chunkattn.tpp_decode.default, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
+def test_every_advertised_block_size(ops, block_size):
+    # The backend advertises exactly these on CUDA (ChunkAttnBackend.get_supported_kernel_block_sizes).
+    b = make_batch("system_prompts", seed=7, num_heads=16, num_kv_heads=4, head_size=128,
+                   block_size=block_size, dtype=torch.bfloat16)
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan))
+
+
+def _args(b, plan):
+    num_seqs, num_heads, head_size = b.query.shape
+    ws = workspace(plan.num_partials, num_heads, head_size)
+    return dict(query=b.query, key_cache=b.key_cache, value_cache=b.value_cache,
+                block_table=b.block_table, seq_lens=b.seq_lens, **{
+                    k: v for k, v in vars(plan).items() if isinstance(v, torch.Tensor)},
+                partial_o=ws[0], partial_m=ws[1], partial_l=ws[2], scale=b.scale,
+                out=torch.empty_like(b.query), lse=torch.empty(num_seqs, num_heads, device="cuda"))
+
+
+# Shape/dtype mistakes: the CUDA op must refuse them with the CPU op's message (csrc/tpp_checks.h).
+SHAPE_ERRORS = {
+    "block_table_rows": lambda a: dict(block_table=a["block_table"][:-1]),
+    "seq_partial_ids_short": lambda a: dict(seq_partial_ids=a["seq_partial_ids"][:-1]),
+    "node_seq_indptr_long": lambda a: dict(node_seq_indptr=torch.cat(
+        [a["node_seq_indptr"], a["node_seq_indptr"][-1:]])),
+    "partial_o_too_few_rows": lambda a: dict(partial_o=a["partial_o"][:1]),
+    "lse_shape": lambda a: dict(lse=a["lse"][:, :-1]),
+    "seq_lens_int64": lambda a: dict(seq_lens=a["seq_lens"].long()),
+    "key_head_size": lambda a: dict(key_cache=a["key_cache"][..., :64],
+                                    value_cache=a["value_cache"][..., :64]),
+}
+
+
+@pytest.mark.parametrize("error", sorted(SHAPE_ERRORS))
+def test_bad_shapes_fail_as_on_cpu(ops, error):
+    b = make_batch("system_prompts", seed=8, num_heads=8, num_kv_heads=2, head_size=128,
+                   dtype=torch.float16)
+    args = _args(b, plan_of(b))
+    assert args["partial_o"].shape[0] > 1
+    args.update(SHAPE_ERRORS[error](args))
+    messages = []
+    for device in ("cuda", "cpu"):
+        a = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        with pytest.raises(RuntimeError) as err:
+            torch.ops.chunkattn.tpp_decode(**a)
+        messages.append(str(err.value).splitlines()[0])
+    assert messages[0] == messages[1] and messages[0].startswith("tpp_decode: ")
+
+
+def test_bad_plan_is_refused_on_the_host_before_the_copy():
+    # The CUDA op reads no plan data (no sync); PlanCache checks the host plan for it.
+    from vllm_chunkattn.plan import PlanCache
+    b = make_batch("system_prompts", seed=9, num_heads=8, num_kv_heads=2, dtype=torch.float16)
+    bt, sl = b.block_table.cpu(), b.seq_lens.cpu()
+    bt[0, (int(sl[0]) - 1) // b.block_size] = b.key_cache.shape[0]
+    cache = PlanCache(b.block_size, "cuda")
+    assert cache.check_on_host
+    with pytest.raises(RuntimeError, match="block_table row"):
+        cache.get(bt, sl, num_blocks=b.key_cache.shape[0])

@@ -61,8 +61,11 @@ class TppPlan:
         return int(((sharers - 1) * blocks).sum()) * block_size
 
     def to(self, device: torch.device | str) -> "TppPlan":
-        fields = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                  for k, v in self.__dict__.items()}
+        # non_blocking only towards a device: a non_blocking copy to the host may be read before
+        # it lands.
+        non_blocking = torch.device(device).type != "cpu"
+        fields = {k: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor)
+                      else v) for k, v in self.__dict__.items()}
         return TppPlan(**fields)
 
 
@@ -146,20 +149,28 @@ class PlanCache:
     """Rebuilds the plan only when the sharing structure can have changed (the paper's lazy
     context copy): the block ids of every row's full blocks and the number of full blocks. While
     rows only grow inside their private tail blocks the plan is reused as is.
-    CHUNKATTN_PLAN_CACHE=0 rebuilds every step (for `bench ablation`)."""
+    CHUNKATTN_PLAN_CACHE=0 rebuilds every step (for `bench ablation`).
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu"):
+    The CPU op checks the plan's indices on every call; a device op checks only shapes (reading
+    a device plan would sync every layer), so for a device the host plan is checked here, every
+    step, before it is copied (ops.check_plan: the CPU op's checks and messages)."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu",
+                 check_on_host: bool | None = None):
         self.enabled = os.environ.get("CHUNKATTN_PLAN_CACHE", "1") != "0"
         self.block_size = block_size
         self.device = torch.device(device)
+        self.check_on_host = self.device.type != "cpu" if check_on_host is None else check_on_host
         self._key: tuple[np.ndarray, np.ndarray] | None = None
+        self._host_plan: TppPlan | None = None
         self._plan: TppPlan | None = None
         self.num_builds = 0
         self.num_reuses = 0
         self.shared_kv_tokens = 0     # of the current plan
 
-    def get(self, block_table, seq_lens) -> TppPlan:
-        """block_table, seq_lens: host arrays/tensors of the decode rows (see build_plan)."""
+    def get(self, block_table, seq_lens, num_blocks: int | None = None) -> TppPlan:
+        """block_table, seq_lens: host arrays/tensors of the decode rows (see build_plan);
+        num_blocks: of the KV cache, for the host check (None: unknown)."""
         bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
         sl = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         full = sl // self.block_size
@@ -169,10 +180,18 @@ class PlanCache:
         if (self.enabled and self._key is not None and self._plan is not None
                 and np.array_equal(self._key[0], full) and np.array_equal(self._key[1], held)):
             self.num_reuses += 1
+            self._check(bt, sl, num_blocks)   # the private tails have new blocks
             return self._plan
         plan = build_plan(bt, sl, self.block_size)
         self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
+        self._host_plan = plan
+        self._check(bt, sl, num_blocks)
         self._plan = plan.to(self.device)
         self._key = key
         self.num_builds += 1
         return self._plan
+
+    def _check(self, bt: np.ndarray, sl: np.ndarray, num_blocks: int | None) -> None:
+        if self.check_on_host:
+            from .ops.native import check_plan        # (ops imports this module)
+            check_plan(self._host_plan, bt, sl, self.block_size, num_blocks)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../softmax_state.h"
+#include "../tpp_checks.h"
 #include "tpp_attend.h"
 
 namespace chunkattn_cpu {
@@ -75,24 +76,6 @@ KvCacheView view_of(const at::Tensor& t) {
   return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-void check_index(const at::Tensor& t, const char* name, int64_t dims) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, "tpp_decode: ", name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dims, "tpp_decode: ", name, " must have ", dims, " dims, got ", t.dim());
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, "tpp_decode: ", name, " must be dense in its last dim");
-  TORCH_CHECK(dims == 1 || t.numel() == 0 || t.stride(0) >= t.size(1), "tpp_decode: ", name, " rows overlap");
-}
-
-// A CSR offsets array: starts at 0, never decreases, ends at `total`.
-void check_indptr(const int32_t* p, int64_t n, int64_t total, const char* name) {
-  TORCH_CHECK(p[0] == 0 && p[n] == total, "tpp_decode: ", name, " must run from 0 to ", total);
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] <= p[i + 1], "tpp_decode: ", name, " decreases at ", i);
-}
-
-void check_range(const int32_t* p, int64_t n, int64_t hi, const char* name) {
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(p[i] >= 0 && p[i] < hi, "tpp_decode: ", name, "[", i, "] = ", p[i], " not in [0, ", hi, ")");
-}
-
 template <typename T>
 void store_out_row(void* dst, const float* o, float inv_l, int64_t head_size) {
   T* d = static_cast<T*>(dst);
@@ -133,63 +116,18 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& partial_o, const at::Tensor& partial_m,
                     const at::Tensor& partial_l, double scale, const at::Tensor& out,
                     const std::optional<at::Tensor>& lse) {
-  // ---- arguments
-  TORCH_CHECK(query.dim() == 3, "tpp_decode: query must be [num_seqs, num_heads, head_size], got ", query.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-              "tpp_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes(), " and ", value_cache.sizes());
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "tpp_decode: key_cache head_size ", key_cache.size(3),
-              " != query head_size ", head_size);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "tpp_decode: num_heads ", num_heads,
-              " must be a multiple of num_kv_heads ", num_kv_heads);
-  for (const at::Tensor* t : {&query, &out})
-    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf || t->scalar_type() == at::kBFloat16,
-                "tpp_decode: query and out must be float32, float16 or bfloat16, got ", t->scalar_type());
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "tpp_decode: value_cache dtype ",
-              value_cache.scalar_type(), " != key_cache dtype ", key_cache.scalar_type());
+  // ---- arguments, then the plan: it must stay inside the cache and the workspace (O(plan size))
+  const chunkattn::TppSizes sizes = chunkattn::check_tpp_args(
+      query, key_cache, value_cache, block_table, seq_lens, node_block_indptr, node_block_ids, node_seq_indptr,
+      node_seq_ids, seq_partial_indptr, seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
+      out, lse);
+  const int64_t num_seqs = sizes.num_seqs, num_heads = sizes.num_heads, head_size = sizes.head_size;
+  const int64_t block_size = sizes.block_size, num_kv_heads = sizes.num_kv_heads;
+  const int64_t num_nodes = sizes.num_nodes;
   const KvDtype kv_dtype = kv_dtype_of(key_cache);
-  TORCH_CHECK(query.stride(2) == 1, "tpp_decode: query must be dense in head_size");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1,
-              "tpp_decode: out must be [num_seqs, num_heads, head_size] dense in head_size, got ", out.sizes());
-  TORCH_CHECK(key_cache.stride(3) == 1 || key_cache.stride(1) == 1,
-              "tpp_decode: key_cache must have head_size stride 1 (flash layout) or block_size stride 1 "
-              "(CPU_ATTN layout, K^T per block and head), got strides ", key_cache.strides());
-  TORCH_CHECK(value_cache.stride(3) == 1, "tpp_decode: value_cache must have head_size stride 1, got strides ",
-              value_cache.strides());
-  check_index(block_table, "block_table", 2);
-  for (auto [t, name] : {std::pair{&seq_lens, "seq_lens"}, {&node_block_indptr, "node_block_indptr"},
-                         {&node_block_ids, "node_block_ids"}, {&node_seq_indptr, "node_seq_indptr"},
-                         {&node_seq_ids, "node_seq_ids"}, {&seq_partial_indptr, "seq_partial_indptr"},
-                         {&seq_partial_ids, "seq_partial_ids"}, {&seq_num_shared_blocks, "seq_num_shared_blocks"}})
-    check_index(*t, name, 1);
-  TORCH_CHECK(block_table.size(0) == num_seqs && seq_lens.size(0) == num_seqs &&
-                  seq_num_shared_blocks.size(0) == num_seqs && seq_partial_indptr.size(0) == num_seqs + 1,
-              "tpp_decode: block_table, seq_lens, seq_num_shared_blocks and seq_partial_indptr must have "
-              "num_seqs (+1) = ", num_seqs, " rows");
-  const int64_t num_nodes = node_block_indptr.size(0) - 1;
-  const int64_t num_partials = node_seq_ids.size(0);
-  TORCH_CHECK(num_nodes >= 0 && node_seq_indptr.size(0) == num_nodes + 1,
-              "tpp_decode: node_block_indptr and node_seq_indptr must both have num_nodes + 1 entries");
-  TORCH_CHECK(seq_partial_ids.size(0) == num_partials, "tpp_decode: seq_partial_ids and node_seq_ids must "
-              "both have num_partials entries");
-  TORCH_CHECK(partial_o.scalar_type() == at::kFloat && partial_o.is_contiguous() && partial_o.dim() == 3 &&
-                  partial_o.size(0) >= num_partials && partial_o.size(1) == num_heads && partial_o.size(2) == head_size,
-              "tpp_decode: partial_o must be contiguous float32 [>= ", num_partials, ", ", num_heads, ", ",
-              head_size, "], got ", partial_o.scalar_type(), " ", partial_o.sizes());
-  for (const at::Tensor* t : {&partial_m, &partial_l})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(0) >= num_partials && t->size(1) == num_heads,
-                "tpp_decode: partial_m and partial_l must be contiguous float32 [>= ", num_partials, ", ",
-                num_heads, "], got ", t->sizes());
-  if (lse.has_value())
-    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == num_seqs &&
-                    lse->size(1) == num_heads,
-                "tpp_decode: lse must be float32 [", num_seqs, ", ", num_heads, "], got ", lse->sizes());
-
-  // ---- the plan must stay inside the cache and the workspace (checked once, O(plan size))
+  chunkattn::check_tpp_plan(sizes.num_blocks, block_size, block_table, seq_lens, node_block_indptr,
+                            node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr, seq_partial_ids,
+                            seq_num_shared_blocks);
   const int32_t* nb = node_block_indptr.data_ptr<int32_t>();
   const int32_t* nbi = node_block_ids.data_ptr<int32_t>();
   const int32_t* ns = node_seq_indptr.data_ptr<int32_t>();
@@ -199,21 +137,7 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* ssb = seq_num_shared_blocks.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0), max_blocks = block_table.size(1);
-  check_indptr(nb, num_nodes, node_block_ids.size(0), "node_block_indptr");
-  check_indptr(ns, num_nodes, num_partials, "node_seq_indptr");
-  check_indptr(sp, num_seqs, num_partials, "seq_partial_indptr");
-  check_range(nbi, node_block_ids.size(0), num_blocks, "node_block_ids");
-  check_range(nsi, num_partials, num_seqs, "node_seq_ids");
-  check_range(spi, num_partials, num_partials, "seq_partial_ids");
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t used = (int64_t(lens[i]) + block_size - 1) / block_size;
-    TORCH_CHECK(lens[i] >= 0 && used <= max_blocks, "tpp_decode: seq_lens[", i, "] = ", lens[i],
-                " needs more than the ", max_blocks, " blocks of block_table");
-    TORCH_CHECK(ssb[i] >= 0 && int64_t(ssb[i]) * block_size <= lens[i], "tpp_decode: seq_num_shared_blocks[", i,
-                "] = ", ssb[i], " exceeds seq_lens[", i, "] = ", lens[i]);
-    check_range(bt + i * bt_stride + ssb[i], used - ssb[i], num_blocks, "block_table row");
-  }
+  const int64_t bt_stride = block_table.stride(0);
   if (num_seqs == 0) return;
 
   // ---- kernel, query rows in the kernel's dtype, per-thread scratch

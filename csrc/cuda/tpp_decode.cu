@@ -8,7 +8,8 @@
 //             are empty (node_*_indptr repeat their last value), extra rows have seq_len 0 and
 //             an empty seq_partial range. Grids are sized by the capacities and the CTAs of empty
 //             nodes / rows exit or write empty states (m = -inf), so one capture replays any plan
-//             that fits. Padded rows come out as 0 with lse = -inf.
+//             that fits. Padded rows come out as 0 with lse = -inf. Every per-row tensor has the
+//             padded row count (the shared contract); the index checks ran before padding.
 // Split-KV scratch. partial_o/m/l rows past num_partials are spare slots: with S_c KV splits per
 // chunk partial and S_s per private tail the op needs S_c*P + num_seqs*(S_s - 1) rows, and lowers
 // S_s, then S_c, to what the workspace holds; a workspace of exactly num_partials rows means no
@@ -21,7 +22,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <utility>
 
+#include "../tpp_checks.h"
 #include "tpp_kernels.cuh"
 
 namespace chunkattn {
@@ -46,21 +49,11 @@ int env_int(const char* name) {
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
-void check_kv(const at::Tensor& t, const char* name, const at::Tensor& query) {
-  TORCH_CHECK(t.dim() == 4, name, ": expected [num_blocks, block_size, num_kv_heads, head_size]");
-  TORCH_CHECK(t.device() == query.device(), name, ": expected on ", query.device());
-  TORCH_CHECK(t.scalar_type() == query.scalar_type(), name, ": expected dtype ",
-              query.scalar_type(), " (same as query), got ", t.scalar_type());
-  TORCH_CHECK(t.stride(3) == 1, name, ": head_size dim must be dense (stride 1)");
-  TORCH_CHECK(t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-              name, ": strides must be multiples of 8 elements and data 16-byte aligned");
-}
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-void check_index(const at::Tensor& t, const char* name, const at::Tensor& query) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
-  TORCH_CHECK(t.device() == query.device(), name, ": expected on ", query.device());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, ": expected a contiguous 1-d tensor");
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& query) {
+  TORCH_CHECK(t.device() == query.device(), "tpp_decode: ", name, " must be on ", query.device(), ", got ",
+              t.device());
 }
 
 void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
@@ -72,65 +65,48 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& partial_o, const at::Tensor& partial_m,
                      const at::Tensor& partial_l, double scale, const at::Tensor& out,
                      const std::optional<at::Tensor>& lse) {
-  TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected [num_seqs, num_heads, head_size] on CUDA");
+  // The contract every device shares (csrc/tpp_checks.h): shapes, dtypes, strides. The plan's
+  // index ranges are checked on the host where the plan is built (chunkattn::tpp_check_plan, run
+  // by vllm_chunkattn/plan.py once per step): reading them here would sync every layer.
+  const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
+                                    node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
+                                    seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
+                                    out, lse);
+  // What the tensor-core kernel adds: fp16/bf16, its head sizes, one device, 16-byte rows.
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
-              "query: the CUDA TPP kernel takes fp16/bf16 (tensor cores), got ", dtype,
+              "tpp_decode: the CUDA TPP kernel takes fp16/bf16 query (tensor cores), got ", dtype,
               "; use kernel='reference' for fp32");
-  const int num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  TORCH_CHECK(head_size == 64 || head_size == 128 || head_size == 256,
-              "query: head_size must be 64, 128 or 256, got ", head_size);
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(0) % 8 == 0 && query.stride(1) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(query.data_ptr()) % 16 == 0,
-              "query: last dim must be dense, other strides multiples of 8, data 16-byte aligned");
-  check_kv(key_cache, "key_cache", query);
-  check_kv(value_cache, "value_cache", query);
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache: expected the shape of key_cache");
-  const int block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "key_cache: head_size ", key_cache.size(3),
-              " != query head_size ", head_size);
-  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
-              "key_cache: block_size must be a power of two, got ", block_size);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.size(0) >= num_seqs && block_table.stride(1) == 1 &&
-                  block_table.device() == query.device(),
-              "block_table: expected int32 [num_seqs, max_blocks] with dense rows on ", query.device());
-  check_index(seq_lens, "seq_lens", query);
-  check_index(node_block_indptr, "node_block_indptr", query);
-  check_index(node_block_ids, "node_block_ids", query);
-  check_index(node_seq_indptr, "node_seq_indptr", query);
-  check_index(node_seq_ids, "node_seq_ids", query);
-  check_index(seq_partial_indptr, "seq_partial_indptr", query);
-  check_index(seq_partial_ids, "seq_partial_ids", query);
-  check_index(seq_num_shared_blocks, "seq_num_shared_blocks", query);
-  TORCH_CHECK(seq_lens.size(0) >= num_seqs && seq_partial_indptr.size(0) >= num_seqs + 1 &&
-                  seq_num_shared_blocks.size(0) >= num_seqs,
-              "seq_lens / seq_partial_indptr / seq_num_shared_blocks: too short for ", num_seqs, " rows");
-  const int num_nodes = node_seq_indptr.size(0) - 1;
-  TORCH_CHECK(num_nodes >= 0 && node_block_indptr.size(0) == num_nodes + 1,
-              "node_block_indptr and node_seq_indptr: expected [num_nodes + 1] each");
-  const int64_t num_partials = node_seq_ids.size(0);
-  const int64_t slots = std::min({partial_o.size(0), partial_m.size(0), partial_l.size(0)});
-  for (const at::Tensor* t : {&partial_o, &partial_m, &partial_l})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device() == query.device(),
-                "partial_o/m/l: expected contiguous fp32 on ", query.device());
-  TORCH_CHECK(partial_o.dim() == 3 && partial_o.size(1) == num_heads && partial_o.size(2) == head_size &&
-                  partial_m.dim() == 2 && partial_m.size(1) == num_heads && partial_l.dim() == 2 &&
-                  partial_l.size(1) == num_heads,
-              "partial_o: expected [slots, num_heads, head_size], partial_m/l [slots, num_heads]");
-  TORCH_CHECK(slots >= num_partials, "partial_o/m/l: ", slots, " rows < num_partials ", num_partials);
-  TORCH_CHECK(slots * num_heads < (int64_t(1) << 31), "partial workspace too large for int32 indexing");
-  TORCH_CHECK(out.scalar_type() == dtype && out.device() == query.device() && out.dim() == 3 &&
-                  out.size(0) == num_seqs && out.size(1) == num_heads && out.size(2) == head_size &&
-                  out.stride(2) == 1 && out.stride(1) % 2 == 0 && out.stride(0) % 2 == 0 &&
+  TORCH_CHECK(key_cache.scalar_type() == dtype && out.scalar_type() == dtype, "tpp_decode: key_cache and out must "
+              "have the query's dtype ", dtype, " on CUDA, got ", key_cache.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK(s.head_size == 64 || s.head_size == 128 || s.head_size == 256,
+              "tpp_decode: head_size must be 64, 128 or 256 on CUDA, got ", s.head_size);
+  TORCH_CHECK(s.block_size > 0 && (s.block_size & (s.block_size - 1)) == 0,
+              "tpp_decode: block_size must be a power of two on CUDA, got ", s.block_size);
+  for (auto [t, name] : {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                         {&block_table, "block_table"}, {&seq_lens, "seq_lens"},
+                         {&node_block_indptr, "node_block_indptr"}, {&node_block_ids, "node_block_ids"},
+                         {&node_seq_indptr, "node_seq_indptr"}, {&node_seq_ids, "node_seq_ids"},
+                         {&seq_partial_indptr, "seq_partial_indptr"}, {&seq_partial_ids, "seq_partial_ids"},
+                         {&seq_num_shared_blocks, "seq_num_shared_blocks"}, {&partial_o, "partial_o"},
+                         {&partial_m, "partial_m"}, {&partial_l, "partial_l"}, {&out, "out"}})
+    check_device(*t, name, query);
+  if (lse.has_value()) check_device(*lse, "lse", query);
+  TORCH_CHECK(query.stride(0) % 8 == 0 && query.stride(1) % 8 == 0 && aligned16(query),
+              "tpp_decode: query strides must be multiples of 8 elements and its data 16-byte aligned on CUDA");
+  for (const at::Tensor* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(2) % 8 == 0 &&
+                    aligned16(*t),
+                "tpp_decode: key_cache and value_cache must be dense in head_size (flash layout), other strides "
+                "multiples of 8 elements, data 16-byte aligned on CUDA, got strides ", t->strides());
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
-              "out: expected ", dtype, " [num_seqs, num_heads, head_size] with a dense last dim");
-  if (lse.has_value())
-    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->device() == query.device() &&
-                    lse->dim() == 2 && lse->size(0) == num_seqs && lse->size(1) == num_heads,
-                "lse: expected fp32 [num_seqs, num_heads]");
+              "tpp_decode: out strides must be even and its data 4-byte aligned on CUDA");
+  const int64_t slots = std::min({partial_o.size(0), partial_m.size(0), partial_l.size(0)});
+  TORCH_CHECK(slots * s.num_heads < (int64_t(1) << 31), "tpp_decode: partial workspace too large for int32 indexing");
+  const int num_seqs = s.num_seqs, num_heads = s.num_heads, head_size = s.head_size;
+  const int block_size = s.block_size, num_kv_heads = s.num_kv_heads, num_nodes = s.num_nodes;
+  const int64_t num_partials = s.num_partials;
   if (num_seqs == 0) return;
 
   const c10::cuda::CUDAGuard guard(query.device());

@@ -6,11 +6,16 @@ from __future__ import annotations
 import torch
 
 from ..plan import TppPlan
-from .native import kernel_name, native_ops
+from .native import check_plan, kernel_name, native_ops
 from .reference import dense_decode_oracle, tpp_decode_reference
 
 __all__ = ["tpp_decode", "TppLaunch", "tpp_decode_reference", "dense_decode_oracle",
-           "kernel_name", "TppWorkspace"]
+           "kernel_name", "TppWorkspace", "check_plan", "CUDA_BLOCK_SIZES"]
+
+# Block sizes the CUDA kernel takes: powers of two (it finds a token's block by shift and mask,
+# csrc/cuda/tpp_kernels.cuh), from 16 up, which FLASH_ATTN (it writes the KV cache and runs
+# prefill under CUSTOM) also takes.
+CUDA_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
 class TppWorkspace:
@@ -82,7 +87,8 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                out: torch.Tensor, lse: torch.Tensor | None = None,
                workspace: TppWorkspace | None = None, kernel: str | None = None) -> torch.Tensor:
     """Exact decode attention, two-phase over the plan's shared nodes and private tails.
-    (One call; for many layers of one step, build a TppLaunch once and call its run per layer.)
+    (One call, which checks the plan; for many layers of one step, check it once with check_plan
+    on the host, build a TppLaunch once and call its run per layer.)
 
     query:       [num_seqs, num_heads, head_size], one new token per row (fp32/fp16/bf16)
     key_cache:   [num_blocks, block_size, num_kv_heads, head_size], any strides, last dim dense
@@ -93,6 +99,9 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     lse:         optional [num_seqs, num_heads] fp32, written with the natural-log LSE
     kernel:      "native" | "reference" | None (native when built for the device)
     """
+    if query.device.type != "cpu":        # the CPU op checks the plan itself, on every call
+        check_plan(plan.to("cpu"), block_table.cpu(), seq_lens.cpu(), key_cache.shape[1],
+                   key_cache.shape[0])        # host copies: a sync, but this is the one-shot path
     launch = TppLaunch(plan, block_table, seq_lens, query.shape[1], query.shape[2], query.device,
                        workspace, kernel)
     return launch.run(query, key_cache, value_cache, scale, out, lse)

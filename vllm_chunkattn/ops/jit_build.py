@@ -14,18 +14,43 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _arch_list() -> str:
-    """TORCH_CUDA_ARCH_LIST if set, else the local GPU's arch ('9.0a' on Hopper: wgmma/setmaxnreg
-    need the arch-specific target)."""
+MIN_ARCH = (8, 0)   # cp.async, ldmatrix and bf16 mma.sync
+
+
+def arch_list() -> list[str]:
+    """The archs to build: TORCH_CUDA_ARCH_LIST if set ('8.0;9.0a'), else the local GPU's.
+    Hopper builds sm_90a (the arch-specific target of the machine). Anything below sm_80 is a
+    clear error here rather than an nvcc failure on the kernel's PTX."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if env:
-        return env
-    major, minor = torch.cuda.get_device_capability()
-    return f"{major}.{minor}" + ("a" if major == 9 else "")
+        archs = [a.strip().removesuffix("+PTX") for a in env.replace(",", ";").replace(" ", ";")
+                 .split(";") if a.strip()]
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        archs = [f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else "")]
+    for a in archs:
+        major, minor = (int(x) for x in a.rstrip("a").split("."))
+        if (major, minor) < MIN_ARCH:
+            raise RuntimeError(
+                f"vllm-chunkattn: the CUDA TPP kernel needs compute capability >= 8.0 (cp.async, "
+                f"ldmatrix, bf16 mma), but is asked to build for {a}"
+                + (" (TORCH_CUDA_ARCH_LIST)" if env else f" ({torch.cuda.get_device_name()})")
+                + ". Use kernel='reference' (CHUNKATTN_ALLOW_REFERENCE=1 under vLLM) on this GPU.")
+    return archs
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    """Explicit -gencode per arch: torch then adds none of its own (cpp_extension skips its arch
+    list once a flag names an arch)."""
+    flags = []
+    for a in archs:
+        cc = a.replace(".", "")
+        flags += ["-gencode", f"arch=compute_{cc},code=sm_{cc}"]
+    return flags
 
 
 def _sources(csrc_dir: Path) -> list[Path]:
-    return ([csrc_dir / "torch_bindings.cpp"] + sorted((csrc_dir / "cpu").glob("*.cpp"))
+    return (sorted(csrc_dir.glob("*.cpp")) + sorted((csrc_dir / "cpu").glob("*.cpp"))
             + sorted((csrc_dir / "cuda").glob("*.cu")))
 
 
@@ -46,27 +71,20 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
     from torch.utils import cpp_extension
 
     csrc_dir = Path(csrc_dir)
-    arch = _arch_list()
+    archs = arch_list()
+    arch = ";".join(archs)
     out = build_dir(csrc_dir, arch)
     out.mkdir(parents=True, exist_ok=True)
     verbose = os.environ.get("CHUNKATTN_JIT_VERBOSE") == "1" if verbose is None else verbose
     logger.info("chunkattn: JIT-building %s for arch %s in %s", csrc_dir, arch, out)
-    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-    try:
-        cpp_extension.load(
-            name="vllm_chunkattn_jit",
-            sources=[str(s) for s in _sources(csrc_dir)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(csrc_dir)],
-            build_directory=str(out),
-            is_python_module=False,
-            verbose=verbose,
-        )
-    finally:
-        if old is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = old
+    cpp_extension.load(
+        name="vllm_chunkattn_jit",
+        sources=[str(s) for s in _sources(csrc_dir)],
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo", *gencode_flags(archs)],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(csrc_dir)],
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=verbose,
+    )

@@ -7,7 +7,10 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from ..plan import TppPlan
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -51,6 +54,33 @@ def native_ops(device: torch.device):
             "chunkattn::tpp_decode", key):
         return None
     return torch.ops.chunkattn
+
+
+def check_plan(plan: TppPlan, block_table, seq_lens, block_size: int,
+               num_blocks: int | None = None) -> None:
+    """Raises what tpp_decode would raise for this plan (csrc/tpp_checks.h, same messages), on
+    host tensors: the CUDA op checks only shapes, so the builder checks the host plan here once
+    per step, before the copy to the device. num_blocks: KV cache blocks (None: unknown, block
+    ids are then only checked to be >= 0). No-op when the native library is not built.
+
+    plan: a TppPlan on the CPU; block_table, seq_lens: host arrays/tensors of its rows."""
+    if not _load() or not hasattr(torch.ops.chunkattn, "tpp_check_plan"):
+        return
+    torch.ops.chunkattn.tpp_check_plan(
+        _host_int32(block_table), _host_int32(seq_lens), plan.node_block_indptr,
+        plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids, plan.seq_partial_indptr,
+        plan.seq_partial_ids, plan.seq_num_shared_blocks,
+        _INT32_MAX if num_blocks is None else num_blocks, block_size)
+
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _host_int32(a) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        assert a.device.type == "cpu", "check_plan reads host tensors only"
+        return a if a.dtype == torch.int32 else a.to(torch.int32)
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
 
 def kernel_name(device: torch.device | str) -> str:

@@ -21,7 +21,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from .. import __version__
 from ..kv_layout import kv_cache_views
-from ..ops import TppLaunch, kernel_name
+from ..ops import CUDA_BLOCK_SIZES, TppLaunch, kernel_name
 from ..plan import PlanCache, TppPlan
 from . import logger
 from .sharing_stats import SHARING_STATS
@@ -53,7 +53,9 @@ class ChunkAttnBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [16, MultipleOf(32)] if current_platform.is_cpu() else [MultipleOf(16)]
+        # Exact sizes on CUDA: for a larger vLLM block, vLLM then picks the largest of these that
+        # divides it and splits each block into kernel blocks of that size.
+        return [16, MultipleOf(32)] if current_platform.is_cpu() else list(CUDA_BLOCK_SIZES)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
