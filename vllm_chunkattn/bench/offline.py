@@ -319,9 +319,10 @@ def main(argv=None) -> int:
     engines = {s: Engine(s, {**kwargs, "attention_backend": "CUSTOM"} if s == "custom" else kwargs,
                          a.kv_cache_gb, log_dir / f"{s}.log") for s in SYSTEMS}
     rows: list[dict] = []
+    rc = 0
     try:
-        for e in engines.values():
-            e.wait_ready()
+        for engine in engines.values():
+            engine.wait_ready()
         print(f"offline: engines ready after {time.monotonic() - t_start:.0f} s", flush=True)
         for w in workloads:
             t0 = time.monotonic()
@@ -333,16 +334,21 @@ def main(argv=None) -> int:
                   f"{cu['median_tok_s']:.1f} tok/s (step {cu['median_step_ms']:.1f} ms), "
                   f"{st['ratio_custom_stock']:.2f}x, {st['mismatched_requests']} mismatched, "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
+    except (RuntimeError, KeyboardInterrupt) as e:     # an engine died, or Ctrl-C
+        print(f"offline: stopped: {e}", flush=True)
+        rc = 1
     finally:
-        for e in engines.values():
-            e.stop()
+        for engine in engines.values():
+            engine.stop()
+    if not rows:
+        return rc
     for s, share in shared_cost_removed(rows):
         print(f"offline: share of the shared-prefix attention cost removed at S={s}: {share:.2f}")
     setup.update(load_after=provenance.load_average(),
                  wall_min=(time.monotonic() - t_start) / 60)
     paths = write_report(rows, setup, Path(a.out), tag)
     print(f"offline: report: {', '.join(map(str, paths))}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":
