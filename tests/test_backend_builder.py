@@ -64,3 +64,122 @@ def test_missing_native_kernel_is_a_startup_error_unless_opted_in(vllm_config, m
     assert "CHUNKATTN_ALLOW_REFERENCE=1" in message
     monkeypatch.setenv("CHUNKATTN_ALLOW_REFERENCE", "1")
     assert make_builder(vllm_config).block_size == BS
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A device-side tensor the host cannot read: any .cpu(), .numpy() or .item() raises."""
+    return torch.empty_like(t, device="meta")
+
+
+def test_decode_plan_comes_from_host_copies_only(vllm_config):
+    """#9: build() plans from vLLM's host copies (the V1 runner's BlockTable.cpu rows found through
+    plugin/host_block_table.py, seq_lens_cpu_upper_bound) and never reads the device tensors,
+    played here by meta tensors."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    from vllm_chunkattn.plan import build_plan
+    from vllm_chunkattn.plugin import host_block_table
+    host_block_table.install()
+    table = BlockTable(BS, 8, 4, 64, False, torch.device("meta"), 1)
+    rows = [[4, 5, 6], [4, 5, 7], [4, 8, 9]]             # block 4 shared by 3 rows, 5 by 2
+    for i, r in enumerate(rows):
+        table.add_row(r, i)
+    seq_lens = torch.tensor([2 * BS + 3, 2 * BS + 9, 3 * BS], dtype=torch.int32)
+    query_start_loc = torch.arange(4, dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=_meta(query_start_loc), query_start_loc_cpu=query_start_loc,
+        seq_lens=_meta(seq_lens), num_reqs=3, num_actual_tokens=3, max_query_len=1,
+        max_seq_len=3 * BS, block_table_tensor=table.get_device_tensor(3),
+        slot_mapping=_meta(torch.zeros(3, dtype=torch.int64)),
+        seq_lens_cpu_upper_bound=seq_lens)
+    builder = make_builder(vllm_config)
+    with set_current_vllm_config(vllm_config):
+        md = builder.build(0, cm)
+    want = build_plan(torch.tensor(rows, dtype=torch.int32), seq_lens, BS)
+    assert md.plan.num_nodes == want.num_nodes == 2
+    for name, t in vars(want).items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(getattr(md.plan, name), t), name
+    assert md.decode_block_table.is_meta and md.decode_seq_lens.is_meta   # handed on untouched
+
+
+def test_v2_runner_mirror_follows_append_block_ids():
+    """The V2 runner keeps block ids only on the device; the mirror fed from append_block_ids
+    must give the rows its gather would (by request index, overwrite on a new request)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_chunkattn.plugin import host_block_table as h
+    class BlockTables:                                    # the attributes we read, no more
+        pass
+    gpu = torch.zeros(4, 6, dtype=torch.int32)
+    tables = BlockTables()
+    tables.block_tables, tables.input_block_tables = [SimpleNamespace(gpu=gpu)], [gpu]
+    tables.num_blocks = SimpleNamespace(np=np.zeros((1, 4), np.int32))
+    tables.redirect_writes_to_null_block = False
+
+    def append(req, ids, overwrite):                    # BlockTables.append_block_ids, then ours
+        start = 0 if overwrite else tables.num_blocks.np[0, req]
+        tables.num_blocks.np[0, req] = start + len(ids[0])
+        h._after_v2_append(tables, req, ids, overwrite)
+    h._after_v2_init(tables)
+    append(2, ([7, 8],), True)
+    append(0, ([7, 9, 3],), True)
+    append(2, ([5],), False)
+    append(0, ([1],), True)                              # request slot 0 reused
+    cm = SimpleNamespace(block_table_tensor=gpu, req_idx=np.array([2, 0]))
+    assert h.host_block_table(cm, 2)[:, :3].tolist() == [[7, 8, 5], [1, 9, 3]]
+    tables.redirect_writes_to_null_block = True
+    append(2, ([6],), False)
+    assert h.host_block_table(cm, 1)[0, :4].tolist() == [7, 8, 5, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM for CUDA")
+def test_decode_build_and_forward_never_sync_on_cuda():
+    """#9 goal: a decode step (build + every layer's forward) makes no host sync on CUDA."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    from vllm_chunkattn.ops.reference import tpp_decode_reference
+    from vllm_chunkattn.plugin import host_block_table
+    from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="bfloat16"),
+                        cache_config=CacheConfig(block_size=BS))
+    host_block_table.install()
+    b = random_tree_batch(0, **TREE_SPECS["system_prompts"], num_heads=4, num_kv_heads=2,
+                          head_size=64, block_size=BS, dtype=torch.bfloat16, device="cuda")
+    n, width = b.block_table.shape
+    table = BlockTable(BS, 32, width, 256, True, torch.device("cuda"), 1)
+    for i, row in enumerate(b.block_table.tolist()):
+        table.add_row(row, i)
+    table.commit_block_table(n)
+    seq_lens_cpu = b.seq_lens.cpu()
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=b.seq_lens, num_reqs=n,
+        num_actual_tokens=n, max_query_len=1, max_seq_len=int(seq_lens_cpu.max()),
+        block_table_tensor=table.get_device_tensor(n),
+        slot_mapping=torch.zeros(n, dtype=torch.int64, device="cuda"),
+        seq_lens_cpu_upper_bound=seq_lens_cpu)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    with set_current_vllm_config(config):
+        builder = backend.ChunkAttnMetadataBuilder(spec, ["layer.0"], config,
+                                                   torch.device("cuda"))
+        impl = backend.ChunkAttnImpl(4, 64, b.scale, 2, None, None, "auto")
+        out = torch.full_like(b.query, float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):                           # a build, then plan reuses
+                md = builder.build(0, cm)
+                for _layer in range(2):
+                    impl.forward(None, b.query, b.query[:, :2], b.query[:, :2], b.kv_cache, md,
+                                 out)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert builder.plans.num_builds == 1
+    ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                               md.plan, b.scale)
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)

@@ -310,3 +310,34 @@ def test_bad_plan_is_refused_on_the_host_before_the_copy():
     assert cache.check_on_host
     with pytest.raises(RuntimeError, match="block_table row"):
         cache.get(bt, sl, num_blocks=b.key_cache.shape[0])
+
+
+def test_decode_steps_make_no_host_sync(ops):
+    # #9: what a decode step does per step (PlanCache: host plan, host check, pinned staging into
+    # persistent buffers) and per layer (TppLaunch.run) under sync debug "error". Alternating two
+    # trees rebuilds every step, so both staging slots are reused.
+    from vllm_chunkattn.ops import TppLaunch, TppWorkspace
+    from vllm_chunkattn.plan import PlanCache
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    batches = [make_batch("system_prompts", seed=10, **kw), make_batch("deep_tree", seed=11, **kw)]
+    host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy()) for b in batches]
+    cache, ws = PlanCache(16, "cuda"), TppWorkspace()
+    outs = [torch.full_like(b.query, float("nan")) for b in batches]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(6):
+            i = step % 2
+            b = batches[i]
+            plan = cache.get(*host[i], num_blocks=b.key_cache.shape[0])
+            launch = TppLaunch(plan, b.block_table, b.seq_lens, 16, 128, "cuda", ws)
+            for _layer in range(3):
+                launch.run(b.query, b.key_cache, b.value_cache, b.scale, outs[i])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert cache.num_builds == 6 and cache._staging.num_uploads == 6
+    for b, out in zip(batches, outs):
+        ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                   b.seq_lens, plan_of(b), b.scale)
+        torch.testing.assert_close(out, ref, **TOL[b.query.dtype])

@@ -79,3 +79,21 @@ def test_plan_cache_rebuilds_only_when_full_blocks_change():
     p4 = cache.get(bt2[[1, 0]], torch.tensor([37, 48]))  # batch reordered
     assert p4 is not p3 and cache.num_builds == 3
     assert int(p1.seq_num_shared_blocks[0]) == 2
+
+
+def test_staging_packs_plans_into_one_persistent_buffer():
+    # plan_staging.PlanStaging, on CPU (no pinning, no events): every upload reproduces the plan
+    # as views of one buffer, which grows when a plan outgrows it and is otherwise reused.
+    from vllm_chunkattn.plan_staging import FIELDS, PlanStaging
+    staging = PlanStaging("cpu", capacity=8)
+    for seed, spec in enumerate(["system_prompts", "deep_tree", "no_sharing", "deep_tree"]):
+        b = random_tree_batch(seed, **TREE_SPECS[spec])
+        plan = build_plan(b.block_table, b.seq_lens, b.block_size)
+        up = staging.upload(plan)
+        assert (up.num_seqs, up.num_nodes, up.num_partials) == (
+            plan.num_seqs, plan.num_nodes, plan.num_partials)
+        for f in FIELDS:
+            assert torch.equal(getattr(up, f), getattr(plan, f)), f
+            assert getattr(up, f).untyped_storage().data_ptr() == \
+                staging._dev.untyped_storage().data_ptr()
+    assert staging.capacity >= 64 and staging.num_uploads == 4

@@ -153,7 +153,8 @@ class PlanCache:
 
     The CPU op checks the plan's indices on every call; a device op checks only shapes (reading
     a device plan would sync every layer), so for a device the host plan is checked here, every
-    step, before it is copied (ops.check_plan: the CPU op's checks and messages)."""
+    step, before it is copied (ops.check_plan: the CPU op's checks and messages). On CUDA a new
+    plan goes to persistent device buffers through pinned staging (plan_staging.py): no sync."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  check_on_host: bool | None = None):
@@ -164,6 +165,10 @@ class PlanCache:
         self._key: tuple[np.ndarray, np.ndarray] | None = None
         self._host_plan: TppPlan | None = None
         self._plan: TppPlan | None = None
+        self._staging = None
+        if self.device.type == "cuda":
+            from .plan_staging import PlanStaging      # (it imports this module)
+            self._staging = PlanStaging(self.device)
         self.num_builds = 0
         self.num_reuses = 0
         self.shared_kv_tokens = 0     # of the current plan
@@ -186,7 +191,7 @@ class PlanCache:
         self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
         self._host_plan = plan
         self._check(bt, sl, num_blocks)
-        self._plan = plan.to(self.device)
+        self._plan = plan.to(self.device) if self._staging is None else self._staging.upload(plan)
         self._key = key
         self.num_builds += 1
         return self._plan

@@ -25,7 +25,19 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _honour_custom_backend_on_cpu()
     _use_tree_scheduler_with_custom_backend()
+    _find_host_block_tables()
     _registered = True
+
+
+def _find_host_block_tables() -> None:
+    """On GPU the builder plans from the host rows of the block table, which vLLM keeps inside
+    its model runners: note where as they are made (plugin/host_block_table.py). register() runs
+    in every worker before its runner exists. On CPU the block table already is on the host."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        from .host_block_table import install
+        install()
 
 
 def _honour_custom_backend_on_cpu() -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.platforms import current_platform
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
@@ -24,6 +26,7 @@ from ..kv_layout import kv_cache_views
 from ..ops import CUDA_BLOCK_SIZES, TppLaunch, kernel_name
 from ..plan import PlanCache, TppPlan
 from . import logger
+from .host_block_table import host_block_table
 from .sharing_stats import SHARING_STATS
 
 def _platform_base():
@@ -111,6 +114,8 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         self.head_size = kv_cache_spec.head_size
         self.device = device
         self.plans = PlanCache(self.block_size, device)
+        self._num_blocks: int | None = None
+        self._warned_copy = False
         SHARING_STATS.publish_to_metrics(vllm_config)
         global _announced
         if not _announced:
@@ -142,8 +147,9 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         seq_lens = cm.seq_lens[:num_decodes]
         plan = decode = None
         if num_decodes:
-            host_seq_lens = seq_lens.cpu()
-            plan = self.plans.get(block_table.cpu(), host_seq_lens)
+            host_table, host_seq_lens = self._host_rows(cm, num_decodes)
+            plan = self.plans.get(host_table, host_seq_lens,
+                                  self._num_kv_blocks() if self.plans.check_on_host else None)
             decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
                                self.device)
             SHARING_STATS.record(num_decodes, int(host_seq_lens.sum()),
@@ -156,6 +162,38 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             prefill = self.base.build(0, split_attn_metadata([UBatchSlice(rows, tokens)], cm)[0])
         return ChunkAttnMetadata(cm.num_actual_tokens, num_decodes, block_table, seq_lens, plan,
                                  decode, prefill, slot_mapping=cm.slot_mapping)
+
+    def _host_rows(self, cm: CommonAttentionMetadata, num_rows: int) -> tuple[np.ndarray,
+                                                                              np.ndarray]:
+        """The decode rows' block table and seq_lens from vLLM's host copies: reading the device
+        tensors would make the host wait for the GPU every step (plugin/host_block_table.py).
+        seq_lens_cpu_upper_bound is exact without speculative decoding (FlashInfer relies on
+        the same). Where vLLM keeps no host copy the rows are copied, with a warning once."""
+        table = host_block_table(cm, num_rows)
+        seq_lens = cm.seq_lens if cm.seq_lens.device.type == "cpu" else (
+            cm.seq_lens_cpu_upper_bound if self.vllm_config.speculative_config is None else None)
+        if table is None or seq_lens is None:
+            if not self._warned_copy:
+                self._warned_copy = True
+                logger.warning("vllm-chunkattn: no host copy of the decode rows' %s in this "
+                               "configuration: copying it from the device, a host sync every "
+                               "step", "block table" if table is None else "seq_lens")
+            with gpu_sync_allowed():
+                if table is None:
+                    table = cm.block_table_tensor[:num_rows].cpu().numpy()
+                if seq_lens is None:
+                    seq_lens = cm.seq_lens[:num_rows].cpu()
+        return table, seq_lens[:num_rows].numpy()
+
+    def _num_kv_blocks(self) -> int | None:
+        """Blocks of this group's KV cache, bound to the layers after the builder was made (None
+        until then): the host plan check's bound on block ids."""
+        if self._num_blocks is None:
+            layers = self.vllm_config.compilation_config.static_forward_context
+            kv = getattr(layers.get(self.layer_names[0]), "kv_cache", None)
+            if isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[0] > 0:
+                self._num_blocks = int(kv.shape[0])
+        return self._num_blocks
 
 
 class ChunkAttnImpl(AttentionImpl):

@@ -1,0 +1,92 @@
+"""Host copies of the block table rows a decode step plans from, found without a device sync.
+
+vLLM 0.32 gives the builder host copies of the lengths (CommonAttentionMetadata.query_start_loc_cpu,
+seq_lens_cpu_upper_bound) but the block table only on the device. FlashInfer, the in-tree backend
+that plans on the host, needs only the lengths: it gathers page ids on the device
+(_copy_page_indices_kernel). A TPP plan needs the ids themselves. Both model runners hold them on
+the host before they reach the device:
+  V1 (v1/worker/block_table.py): BlockTable.block_table is a CpuGpuBuffer whose pinned .cpu rows
+     are copied to .gpu each step; cm.block_table_tensor is .gpu[:num_reqs_padded] (batch order).
+  V2 (v1/worker/gpu/block_table.py): BlockTables stages each request's new ids to the device
+     (append_block_ids) and gathers rows by request index there; a numpy mirror fed from
+     append_block_ids, indexed by cm.req_idx, holds the same rows.
+install() wraps those constructors (and append_block_ids) once per process, before any model
+runner exists (plugin.register). host_block_table() then finds the host rows of
+cm.block_table_tensor by its data pointer, or returns None where it cannot (kernel-block
+splitting, context parallelism, another runner).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import numpy as np
+
+_V1: dict[int, weakref.ref] = {}                  # .gpu data_ptr -> BlockTable
+_V2: dict[int, tuple[weakref.ref, int]] = {}      # input_block_tables[g] data_ptr -> (BlockTables, g)
+
+
+def install() -> None:
+    """Idempotent. A runner module that does not import (other platforms) is left alone."""
+    try:
+        from vllm.v1.worker.block_table import BlockTable
+        _wrap(BlockTable, "__init__", _after_v1_init)
+    except ImportError:
+        pass
+    try:
+        from vllm.v1.worker.gpu.block_table import BlockTables
+        _wrap(BlockTables, "__init__", _after_v2_init)
+        _wrap(BlockTables, "append_block_ids", _after_v2_append)
+    except ImportError:
+        pass
+
+
+def host_block_table(cm, num_rows: int) -> np.ndarray | None:
+    """[num_rows, width] int32 host rows equal to cm.block_table_tensor[:num_rows], or None."""
+    bt = cm.block_table_tensor
+    ptr = bt.data_ptr()
+    v1 = _V1.get(ptr)
+    if v1 is not None and (table := v1()) is not None:
+        buf = table.block_table
+        if buf.gpu.data_ptr() == ptr and buf.cpu.shape[1] == bt.shape[1]:
+            return buf.np[:num_rows]
+    v2 = _V2.get(ptr)
+    if v2 is not None and (tables := v2[0]()) is not None and cm.req_idx is not None:
+        host = tables._chunkattn_host[v2[1]]
+        if host.shape[1] == bt.shape[1]:
+            return host[np.asarray(cm.req_idx[:num_rows])]
+    if bt.device.type == "cpu":                    # CPU runner: the "device" table is the host's
+        return bt[:num_rows].numpy()
+    return None
+
+
+def _wrap(cls, name: str, after) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "_chunkattn_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        after(self, *args, **kwargs)
+        return result
+    wrapper._chunkattn_wrapped = True
+    setattr(cls, name, wrapper)
+
+
+def _after_v1_init(table, *args, **kwargs) -> None:
+    _V1[table.block_table.gpu.data_ptr()] = weakref.ref(table)
+
+
+def _after_v2_init(tables, *args, **kwargs) -> None:
+    tables._chunkattn_host = [np.zeros(tuple(t.gpu.shape), np.int32) for t in tables.block_tables]
+    for g, t in enumerate(tables.input_block_tables):
+        _V2[t.data_ptr()] = (weakref.ref(tables), g)
+
+
+def _after_v2_append(tables, req_index: int, new_block_ids, overwrite: bool) -> None:
+    # append_block_ids has advanced num_blocks to the row's new end: the ids end there.
+    for g, ids in enumerate(new_block_ids):
+        end = int(tables.num_blocks.np[g, req_index])
+        row = tables._chunkattn_host[g][req_index]
+        row[end - len(ids):end] = 0 if tables.redirect_writes_to_null_block else ids
