@@ -6,18 +6,22 @@ import sys
 
 import pytest
 
+from vllm_runs import assert_native_kernel, assert_not_custom
+
 pytestmark = pytest.mark.vllm
 
 
 def test_offline_bench_tiny(tmp_path):
     pytest.importorskip("vllm")
-    out = tmp_path / "results"
+    out, logs = tmp_path / "results", tmp_path / "logs"
     proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench", "offline", "--batch", "4",
                            "--max-tokens", "8", "--shared", "0,128", "--repeats", "1",
                            "--dtype", "float32", "--out", str(out), "--tag", "test",
-                           "--log-dir", str(tmp_path / "logs")],
+                           "--log-dir", str(logs)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_native_kernel((logs / "custom.log").read_text())     # each engine's own log
+    assert_not_custom((logs / "stock.log").read_text())
     for ext in ("csv", "md", "png"):
         assert (out / f"offline_test.{ext}").exists()
     rows = list(csv.DictReader(open(out / "offline_test.csv")))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
-from vllm_runs import REPO, run_llm, tiny_model
+from vllm_runs import REPO, assert_native_kernel, assert_not_custom, run_llm, tiny_model
 
 pytestmark = pytest.mark.vllm
 NUM_BLOCKS = 24          # 24 x 32 tokens: far less than the 8 prompts below need at once
@@ -49,6 +49,8 @@ def test_tree_manager_matches_stock_under_preemption_eviction_n_and_reset(tmp_pa
                      env={**_debug_env(tmp_path, "c"), "PROMETHEUS_MULTIPROC_DIR": str(prom_dir)})
     assert "chunk prefix tree is the KV cache manager" in custom["log"]
     assert "chunk prefix tree is the KV cache manager" not in stock["log"]
+    assert_native_kernel(custom["log"])
+    assert_not_custom(stock["log"])
     assert stock["groups"][2] == custom["groups"][2] == {"reset_prefix_cache": True}
     del stock["groups"][2], custom["groups"][2]
     assert_same_outputs(stock, custom)
@@ -119,6 +121,7 @@ def test_abort_mid_decode_releases_everything(tmp_path):
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert_native_kernel(proc.stdout + proc.stderr)
     result = _read(out)
     assert result["kept"] == [60] * 4, result                # the others ran to the end
     assert all(n is None or n < 60 for n in result["aborted"]), result

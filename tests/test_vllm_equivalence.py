@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vllm_runs import run_llm, tiny_model
+from vllm_runs import assert_native_kernel, assert_not_custom, run_llm, tiny_model
 
 pytestmark = pytest.mark.vllm
 VOCAB = range(3, 2048)   # skip <unk>, <s>, </s>
@@ -62,8 +62,8 @@ def test_custom_backend_matches_stock_tokens_and_logprobs(seed, tmp_path):
     custom = run_llm(job("CUSTOM", prompts), tmp_path,
                      env={"CHUNKATTN_STATS_FILE": str(stats_file),
                           "CHUNKATTN_STATS_INTERVAL_S": "0"})
-    assert "ChunkAttention backend (CUSTOM) in use" in custom["log"]
-    assert "ChunkAttention backend (CUSTOM) in use" not in stock["log"]
+    assert_native_kernel(custom["log"])
+    assert_not_custom(stock["log"])
     assert_same_outputs(stock, custom)
     # The n=4 samples diverge from each other (the seed is per request, not per sample).
     samples = {tuple(c["token_ids"]) for c in custom["groups"][1][0]}
