@@ -8,12 +8,13 @@ the decode plans in the workers (plugin/sharing_stats.py), both other processes.
 
 Why this way: the stat-logger plugin hook (`vllm.stat_logger_plugins`) runs in the API server but
 only receives SchedulerStats, a typed struct with no extension field (msgspec drops anything
-else on the way), so it could not carry these numbers; and installing one turns stats on for
-every server, flag or not. Setting PROMETHEUS_MULTIPROC_DIR ourselves would come too late: the API
+else on the way), so it could not carry these numbers; and an installed one turns engine stats
+on for every server, flag or not, even under --disable-log-stats. Setting PROMETHEUS_MULTIPROC_DIR ourselves would come too late: the API
 server's prometheus_client picks in-memory values at import, so vLLM's own metrics would vanish.
 Prometheus' multi-process files are the channel built for exactly this, so: EngineCore and one
 worker per engine write their current values each step into prometheus_client's mmap files
-(`gauge_mostrecent_*.db`, `counter_*.db`; a write is a few microseconds), in the directory named
+(`gauge_mostrecent_*.db`, `counter_*.db`, written with prometheus_client.mmap_dict, the module
+its own multi-process values use; ~5 us for 8 values), in the directory named
 by CHUNKATTN_METRICS_DIR. `expose()` picks that directory in the process that builds the config
 (the API server; children inherit the variable): vLLM's PROMETHEUS_MULTIPROC_DIR when set (its
 /metrics already reads it), else a private temporary one that a MultiProcessCollector adds to
