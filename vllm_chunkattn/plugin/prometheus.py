@@ -9,8 +9,9 @@ the decode plans in the workers (plugin/sharing_stats.py), both other processes.
 Why this way: the stat-logger plugin hook (`vllm.stat_logger_plugins`) runs in the API server but
 only receives SchedulerStats, a typed struct with no extension field (msgspec drops anything
 else on the way), so it could not carry these numbers; and an installed one turns engine stats
-on for every server, flag or not, even under --disable-log-stats. Setting PROMETHEUS_MULTIPROC_DIR ourselves would come too late: the API
-server's prometheus_client picks in-memory values at import, so vLLM's own metrics would vanish.
+on for every server, flag or not, even under --disable-log-stats. Setting
+PROMETHEUS_MULTIPROC_DIR ourselves would come too late: the API server's prometheus_client picks
+in-memory values at import, so vLLM's own metrics would vanish.
 Prometheus' multi-process files are the channel built for exactly this, so: EngineCore and one
 worker per engine write their current values each step into prometheus_client's mmap files
 (`gauge_mostrecent_*.db`, `counter_*.db`, written with prometheus_client.mmap_dict, the module
