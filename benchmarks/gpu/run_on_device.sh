@@ -1,45 +1,168 @@
 #!/usr/bin/env bash
-# One shot on a lent GPU (device tool `run`, repo root, outputs under $OUT):
-#   bash benchmarks/gpu/run_on_device.sh
-# JIT-builds csrc/ for the local arch, runs the CUDA + host tests, then the benchmarks.
-# Everything it prints is also in $OUT: build.log, tests.log, bench.log, microbench_*.json,
-# bench/kernel_cuda.{csv,md,png} (8 files: the device tool returns at most 8).
+# One device call for the CUDA kernel (device tool `run`, repo root; the exact call and what
+# comes back: benchmarks/gpu/README.md):
+#   env -> FlashInfer wheels (if carried) -> JIT build -> GPU tests -> host-side CUDA tests ->
+#   compute-sanitizer memcheck + racecheck on small trees -> microbench -> bench kernel grids.
+# Every stage gets at most its cap and what is left of BUDGET_S (default 470 s), so the script
+# ends in under 8 minutes whatever hangs; the summary names each stage ok / FAILED / CUT / SKIPPED.
+# The device tool returns at most 8 files from $OUT, so everything lands in $WORK and $OUT gets
+# the summary, the logs worth reading first, the result tables and results.tar.gz of it all.
+# Exit status: 1 when the build, a test or the sanitizer failed (bench failures: see summary).
+# Knobs: BUDGET_S, STAGES ("tests sanitizer bench"), FULL_GRID_MIN_S (200), PYTHON, MAX_JOBS.
 set -uo pipefail
 OUT=${OUT:-/tmp/chunkattn_out}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/chunkattn_run}
+PY=${PYTHON:-python3}
+rm -rf "$WORK" && mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CHUNKATTN_BUILD_DIR=${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=${MAX_JOBS:-16}
-PY=${PYTHON:-python3}
-{
+export CHUNKATTN_NVCC_FLAGS=${CHUNKATTN_NVCC_FLAGS:--Xptxas=-v}   # registers / spills in build.log
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-470} ))
+STAGES=${STAGES:-"tests sanitizer bench"}    # e.g. STAGES=bench on a second, warm call
+SUMMARY="$WORK/summary.txt"
+FAILED=0
+
+# stage NAME CAP_S LOG CMD...: CMD's output to LOG and the console, cut at min(CAP_S, time
+# left); one summary line. Returns CMD's status (124 when cut).
+stage() {
+  local name=$1 cap=$2 log=$3 left status t0 rc
+  shift 3
+  left=$(( DEADLINE - $(date +%s) ))
+  if (( left < 15 )); then
+    printf '%-22s SKIPPED (budget spent)\n' "$name" >> "$SUMMARY"
+    return 124
+  fi
+  (( cap > left )) && cap=$left
+  echo "== $name (at most ${cap} s)" | tee -a "$log"
+  t0=$(date +%s)
+  timeout --kill-after=10 "$cap" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) status=ok ;;
+    124|137) status="CUT at ${cap} s" ;;
+    *) status="FAILED (rc $rc)" ;;
+  esac
+  printf '%-22s %-18s %4d s\n' "$name" "$status" $(( $(date +%s) - t0 )) >> "$SUMMARY"
+  return "$rc"
+}
+
+# ---- the machine
+# shellcheck disable=SC2016  # expanded by the inner bash
+stage env 60 "$WORK/env.log" env PY="$PY" bash -c '
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   nvcc --version | tail -1
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
-} 2>&1 | tee "$OUT/build.log"
+  "$PY" -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
+    torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+  "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|triton|pytest|flashinfer|apache-tvm-ffi) "
+  nproc; free -g | head -2'
 
-echo "== JIT build" | tee -a "$OUT/build.log"
-$PY - <<'PY' 2>&1 | tee -a "$OUT/build.log"
-import time, torch
+# ---- FlashInfer from carried wheels (benchmarks/gpu/fetch_wheels.sh), into /tmp/site
+if compgen -G "benchmarks/gpu/wheels/*.whl" > /dev/null; then
+  if stage flashinfer 120 "$WORK/env.log" "$PY" -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/gpu/wheels/*.whl; then
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    FLASHINFER_CUDA_ARCH_LIST=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}' + ('a' if m == 9 else ''))")
+    export FLASHINFER_CUDA_ARCH_LIST
+    # FA3-based paths include curand_kernel.h; torch's nvidia-curand wheel has it if CUDA lacks it.
+    if [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/curand_kernel.h" ]; then
+      curand=$("$PY" -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)
+      inc=$(find "${curand:-/nonexistent}/nvidia" -name curand_kernel.h -printf '%h\n' 2>/dev/null | head -1)
+      [ -n "$inc" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-I$inc"
+    fi
+    "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$WORK/env.log"
+  fi
+else
+  printf '%-22s SKIPPED (no benchmarks/gpu/wheels: run fetch_wheels.sh, carry it)\n' flashinfer >> "$SUMMARY"
+fi
+
+# ---- build (JIT, local arch; sm_90a on Hopper)
+stage build 240 "$WORK/build.log" "$PY" - <<'PY'
+import time
+from pathlib import Path
+
+import torch
+
 t = time.time()
 from vllm_chunkattn.ops.jit_build import load_jit
-from pathlib import Path
 load_jit(Path("csrc"), verbose=True)
 print(f"jit build+load: {time.time() - t:.1f} s")
-import torch._C as C
-print("CUDA kernel registered:", C._dispatch_has_kernel_for_dispatch_key("chunkattn::tpp_decode", "CUDA"))
+print("CUDA kernel registered:",
+      torch._C._dispatch_has_kernel_for_dispatch_key("chunkattn::tpp_decode", "CUDA"))
 PY
-build_rc=${PIPESTATUS[0]}
+build_rc=$?
+grep -E "registers|spill|bytes stack" "$WORK/build.log" | sort -u > "$WORK/ptxas.txt"
 
-echo "== tests" | tee "$OUT/tests.log"
-$PY -m pytest -q -rs --timeout=300 -p no:cacheprovider tests/test_ops_cuda.py 2>&1 | tee -a "$OUT/tests.log"
-test_rc=${PIPESTATUS[0]}
-$PY -m pytest -q -p no:cacheprovider tests/test_cuda_host.py 2>&1 | tail -3 | tee -a "$OUT/tests.log"
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+if (( build_rc == 0 )); then
+  # ---- tests: every GPU test (the files that mark any), then the host-side CUDA tests
+  xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+  ptimeout=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=150")
+  if want tests; then
+    # shellcheck disable=SC2046,SC2086  # word splitting of the optional flags and file list
+    stage gpu-tests 200 "$WORK/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu \
+      $xdist $ptimeout --junitxml="$WORK/tests_gpu.xml" $(grep -l -E "mark\.gpu" tests/test_*.py) \
+      || FAILED=1
+    # shellcheck disable=SC2086
+    stage host-tests 90 "$WORK/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider $xdist \
+      --junitxml="$WORK/tests_host.xml" tests/test_cuda_host.py tests/test_cuda_contract.py \
+      || FAILED=1
+  fi
 
-echo "== kernel microbench" | tee "$OUT/bench.log"
-for dtype in bfloat16 float16; do
-  $PY benchmarks/gpu/tpp_microbench.py --dtype $dtype --out "$OUT/microbench_$dtype.json" 2>&1 | tee -a "$OUT/bench.log"
-done
-echo "== vllm_chunkattn.bench kernel --device cuda" | tee -a "$OUT/bench.log"
-$PY -m vllm_chunkattn.bench kernel --device cuda --out "$OUT/bench" 2>&1 | tail -40 | tee -a "$OUT/bench.log"
+  # ---- compute-sanitizer on a few small trees: our kernels only, and no caching allocator, so
+  # an access past a tensor leaves its allocation
+  SAN=$(command -v compute-sanitizer)
+  for c in /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer; do
+    [ -z "$SAN" ] && [ -x "$c" ] && SAN=$c
+  done
+  if want sanitizer && [ -n "$SAN" ]; then
+    for tool in memcheck racecheck; do
+      stage "sanitizer-$tool" 120 "$WORK/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        "$SAN" --tool "$tool" --kernel-name kns=tpp_ --error-exitcode 99 --print-limit 20 \
+        "$PY" benchmarks/gpu/sanitize_tpp.py || FAILED=1
+    done
+  elif want sanitizer; then
+    printf '%-22s SKIPPED (compute-sanitizer not found)\n' sanitizer >> "$SUMMARY"
+  fi
 
-echo "build rc=$build_rc tests rc=$test_rc" | tee -a "$OUT/tests.log"
-exit $(( build_rc != 0 || test_rc != 0 ))
+  # ---- benchmarks (bench kernel: cold L2, CUDA events, median; microbench: graph replay)
+  if want bench; then
+    for dtype in bfloat16 float16; do
+      stage "microbench-$dtype" 60 "$WORK/bench.log" "$PY" benchmarks/gpu/tpp_microbench.py \
+        --dtype "$dtype" --out "$WORK/microbench_$dtype.json"
+    done
+    stage bench-goals 120 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench kernel --device cuda \
+      --grid goals --out "$WORK/bench"
+    # The full grid writes its files only at the end: start it only with time to finish.
+    if (( DEADLINE - $(date +%s) >= ${FULL_GRID_MIN_S:-200} )); then
+      stage bench-full 300 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench kernel --device cuda \
+        --grid full --reps 5 --out "$WORK/bench"
+    else
+      printf '%-22s SKIPPED (< %s s left: STAGES=bench in a second call)\n' bench-full \
+        "${FULL_GRID_MIN_S:-200}" >> "$SUMMARY"
+    fi
+  fi
+else
+  FAILED=1
+  printf '%-22s SKIPPED (build failed)\n' tests sanitizer bench >> "$SUMMARY"
+fi
+
+# ---- what comes back (at most 8 files in $OUT): summary, logs, tables, everything as a tarball
+{
+  echo "== summary ($(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo no-git))"
+  cat "$SUMMARY"
+  echo "== tests"; grep -h -E "passed|failed|error" "$WORK/tests.log" 2>/dev/null | grep -E "^=|in [0-9.]+s" | tail -4
+  echo "== sanitizer"; grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|rel err" "$WORK/sanitizer.log" 2>/dev/null
+  echo "== ptxas (registers / spills)"; head -12 "$WORK/ptxas.txt"
+  echo "== microbench (us, graph replay: tree plan vs the same kernel with the empty plan)"
+  grep -h '^{"shape"' "$WORK/bench.log" 2>/dev/null | "$PY" -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print(f\"{r['dtype']:9s} {r['shape']:32s} tpp {r['tpp_us']:9.1f}  no_sharing {r['no_sharing_us']:9.1f}  x{r['speedup']}\")"
+} > "$WORK/summary.md" 2>&1
+cp "$WORK/summary.md" "$OUT/summary.md"
+for f in tests.log sanitizer.log build.log; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
+for f in "$WORK"/bench/kernel_cuda_goals.md "$WORK"/bench/kernel_cuda.md; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+tar -czf "$OUT/results.tar.gz" -C "$WORK" .
+ls -l "$OUT"
+cat "$OUT/summary.md"
+exit $(( FAILED != 0 ))

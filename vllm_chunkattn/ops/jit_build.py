@@ -56,7 +56,8 @@ def _sources(csrc_dir: Path) -> list[Path]:
 
 def build_dir(csrc_dir: Path, arch: str) -> Path:
     """$CHUNKATTN_BUILD_DIR, else ~/.cache/vllm_chunkattn/jit/<key>: a new key whenever torch,
-    CUDA, the arch or any source/header changes, so a stale library is never loaded."""
+    CUDA, the arch (and extra flags) or any source/header changes, so a stale library is never
+    loaded."""
     if os.environ.get("CHUNKATTN_BUILD_DIR"):
         return Path(os.environ["CHUNKATTN_BUILD_DIR"])
     h = hashlib.sha256(f"{torch.__version__}|{torch.version.cuda}|{arch}".encode())
@@ -73,7 +74,8 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
     csrc_dir = Path(csrc_dir)
     archs = arch_list()
     arch = ";".join(archs)
-    out = build_dir(csrc_dir, arch)
+    extra = os.environ.get("CHUNKATTN_NVCC_FLAGS", "").split()   # e.g. -Xptxas=-v (device script)
+    out = build_dir(csrc_dir, " ".join([arch, *extra]))
     out.mkdir(parents=True, exist_ok=True)
     verbose = os.environ.get("CHUNKATTN_JIT_VERBOSE") == "1" if verbose is None else verbose
     logger.info("chunkattn: JIT-building %s for arch %s in %s", csrc_dir, arch, out)
@@ -81,7 +83,8 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
         name="vllm_chunkattn_jit",
         sources=[str(s) for s in _sources(csrc_dir)],
         extra_cflags=["-O3", "-fopenmp"],
-        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo", *gencode_flags(archs)],
+        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo", *gencode_flags(archs),
+                           *extra],
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(csrc_dir)],
         build_directory=str(out),

@@ -1,0 +1,75 @@
+"""A few small trees through the CUDA TPP op, for compute-sanitizer (run_on_device.sh runs it
+under memcheck and racecheck, instrumenting only our kernels): tree shapes with several nodes,
+GQA head tiles, split-KV scratch slots, every head size, and a capacity-padded plan. Each result
+is also checked against the reference, so the run fails on a wrong answer as well.
+Usage: [compute-sanitizer --kernel-name kns=tpp_ ...] python benchmarks/gpu/sanitize_tpp.py"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from vllm_chunkattn.ops.native import native_ops
+from vllm_chunkattn.ops.reference import tpp_decode_reference
+from vllm_chunkattn.plan import TppPlan, build_plan
+from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+
+# (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad)
+CASES = [
+    ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False),
+    ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False),
+    ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True),
+]
+
+
+def pad(plan: TppPlan, extra_nodes: int, extra_partials: int) -> TppPlan:
+    """Capacity mode: empty nodes (indptrs repeat), partial ids padded to a fixed capacity."""
+    def rep(t):
+        return torch.cat([t, t[-1:].repeat(extra_nodes)])
+
+    def ids(t):
+        return torch.cat([t, torch.zeros(extra_partials, dtype=t.dtype)])
+    return TppPlan(plan.num_seqs, plan.num_nodes + extra_nodes, plan.num_partials + extra_partials,
+                   rep(plan.node_block_indptr), plan.node_block_ids, rep(plan.node_seq_indptr),
+                   ids(plan.node_seq_ids), plan.seq_partial_indptr, ids(plan.seq_partial_ids),
+                   plan.seq_num_shared_blocks)
+
+
+def main() -> int:
+    ops = native_ops(torch.device("cuda"))
+    assert ops is not None, "the CUDA kernel is not built"
+    failures = 0
+    for i, (spec, hq, hkv, d, bs, dtype, splits, padded) in enumerate(CASES):
+        os.environ["CHUNKATTN_CHUNK_SPLITS"], os.environ["CHUNKATTN_SEQ_SPLITS"] = map(str, splits)
+        b = random_tree_batch(i, **TREE_SPECS[spec], num_heads=hq, num_kv_heads=hkv,
+                              head_size=d, block_size=bs, dtype=dtype, device="cuda")
+        plan = build_plan(b.block_table.cpu(), b.seq_lens.cpu(), bs)
+        run_plan = (pad(plan, 3, 5) if padded else plan).to("cuda")
+        num_seqs = b.query.shape[0]
+        # Exactly the slots the forced splits need: a read or write past them is an error.
+        slots = max(splits[0] * run_plan.num_partials + num_seqs * (splits[1] - 1), 1)
+        ws = (torch.full((slots, hq, d), float("nan"), device="cuda"),
+              torch.full((slots, hq), float("nan"), device="cuda"),
+              torch.full((slots, hq), float("nan"), device="cuda"))
+        out = torch.full_like(b.query, float("nan"))
+        lse = torch.full((num_seqs, hq), float("nan"), device="cuda")
+        ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                       run_plan.node_block_indptr, run_plan.node_block_ids,
+                       run_plan.node_seq_indptr, run_plan.node_seq_ids,
+                       run_plan.seq_partial_indptr, run_plan.seq_partial_ids,
+                       run_plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+        torch.cuda.synchronize()
+        ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                   b.seq_lens, plan.to("cuda"), b.scale)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        ok = not out.isnan().any().item() and err < 2e-2
+        failures += not ok
+        print(f"{spec:15s} heads {hq}/{hkv} d {d} block {bs} {str(dtype)[6:]:8s} splits {splits} "
+              f"{'padded ' if padded else ''}nodes {plan.num_nodes} partials {plan.num_partials}: "
+              f"rel err {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
