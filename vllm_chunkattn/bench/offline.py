@@ -277,7 +277,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="A B B A rounds per workload")
-    p.add_argument("--kv-cache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    p.add_argument("--kv-cache-gb", type=int, default=1,
+                   help="VLLM_CPU_KVCACHE_SPACE per engine (1 GiB: 32K tokens of Llama-3.2-1B; "
+                        "each of its engines then holds ~5.5 GB)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
