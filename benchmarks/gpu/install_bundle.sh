@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# Device side of the vLLM 0.32.0 bundle (bundle.py builds it; README.md has the call sequence).
+# Run in the repo root on the lent GPU machine:
+#   bash benchmarks/gpu/install_bundle.sh facts      # python, GPU, the image's CUDA wheels
+#   bash benchmarks/gpu/install_bundle.sh collect    # this call's .bundle/cNN part -> /tmp, marker
+#   bash benchmarks/gpu/install_bundle.sh unpack     # reassemble the parts, verify every wheel
+#   bash benchmarks/gpu/install_bundle.sh install    # unpack, pip --target, link CUDA libs, check
+#   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vllm._C, the plugin
+#   eval "$(bash benchmarks/gpu/install_bundle.sh env)"   # exports for vllm serve / bench
+# Everything lives under /tmp, which the device keeps between calls while the machine is warm.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+MANIFEST=$(realpath "${VLLM_MANIFEST:-benchmarks/gpu/bundle_manifest.txt}")
+BUNDLE=${VLLM_BUNDLE_DIR:-.bundle}         # where this call's carried part lies (.bundle/cNN)
+PARTS=${VLLM_PARTS:-/tmp/vllm_parts}       # parts gathered over the calls
+WHEELS=${VLLM_WHEELS:-/tmp/vllm_wheels}    # the reassembled tars, unpacked
+SITE=${VLLM_SITE:-/tmp/vllm_site}          # pip --target: goes first on PYTHONPATH
+MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}
+PY=${PYTHON:-python3}                      # the image's python (torch 2.11, nvidia-* wheels)
+NCCL_MIN=2.29                              # torch 2.13 needs symbols NCCL 2.28 lacks (bundle.py)
+
+log() { echo "[install_bundle $(date +%T)] $*"; }
+part_lines() { awk '$1 == "part" {print $3, $4, $5}' "$MANIFEST"; }    # name bytes sha, in order
+parts_of() {   # the parts group $1's byte range touches: "name bytes sha from count"
+  local off len pos=0 name bytes sha end
+  read -r off len < <(awk -v g="$1" '$1 == "group" && $2 == g {print $3, $4}' "$MANIFEST")
+  [ -n "$len" ] || { log "no group $1 in $MANIFEST"; return 1; }
+  while read -r name bytes sha; do
+    end=$((pos + bytes))
+    if [ "$end" -gt "$off" ] && [ "$pos" -lt $((off + len)) ]; then
+      local from=$(( off > pos ? off - pos : 0 )) to=$(( off + len < end ? off + len - pos : bytes ))
+      echo "$name $bytes $sha $from $((to - from))"
+    fi
+    pos=$end
+  done < <(part_lines)
+}
+image_site() { env -u PYTHONPATH "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+image_version() {   # the image's own version of a distribution, "" if absent
+  env -u PYTHONPATH "$PY" -c "import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: print('')" "$1"
+}
+nccl_needed() {     # true unless the image's NCCL is already >= NCCL_MIN
+  local v; v=$(image_version nvidia-nccl-cu13)
+  [ -z "$v" ] && return 0
+  "$PY" -c "import sys; from packaging.version import Version as V
+sys.exit(0 if V(sys.argv[1]) < V(sys.argv[2]) else 1)" "$v" "$NCCL_MIN"
+}
+
+facts() {
+  "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  env -u PYTHONPATH "$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
+    '^(torch|triton|torchvision|torchaudio|transformers|huggingface.hub|tokenizers|numpy|nvidia-|cuda-|aiohttp|requests|pillow|protobuf|setuptools|typing.extensions|opencv|filelock|anyio)' \
+    | tr '\n' ' '; echo
+  df -h /tmp | tail -1
+}
+
+collect() {   # copy the part(s) carried in this call to $PARTS and verify them at once
+  mkdir -p "$PARTS"
+  if [ -f "$MARKER" ]; then log "marker found: warm machine, $(wc -l < "$MARKER") earlier call(s)"
+  else log "no marker: fresh machine (or the first call)"; fi
+  echo "$(date +%T) $(echo "$BUNDLE"/c*)" >> "$MARKER"
+  local f name bytes sha
+  for f in "$BUNDLE"/c*/bundle.part*; do
+    [ -e "$f" ] || continue
+    name=$(basename "$f")
+    read -r bytes sha < <(awk -v n="$name" '$1 == "part" && $3 == n {print $4, $5}' "$MANIFEST")
+    cp "$f" "$PARTS/$name"
+    if [ "$(sha256sum < "$PARTS/$name" | cut -d' ' -f1)" != "$sha" ]; then
+      log "BAD checksum: $name (manifest and carried part differ: rebuild or re-carry)"
+      rm -f "$PARTS/$name"; return 1
+    fi
+    log "part $name ok ($bytes B)"
+  done
+  local g missing
+  while read -r g; do
+    missing=$(parts_of "$g" | while read -r name _; do [ -f "$PARTS/$name" ] || echo -n "$name "; done)
+    log "group $g: ${missing:+missing }${missing:-complete}"
+  done < <(awk '$1 == "group" {print $2}' "$MANIFEST")
+}
+
+assemble() {  # group -> $WHEELS; parts checked again: one bad byte must not reach pip
+  local group=$1 name bytes sha from count
+  mkdir -p "$WHEELS"
+  while read -r name bytes sha _; do
+    [ -f "$PARTS/$name" ] || { log "missing part $name (group $group)"; return 1; }
+    [ "$(sha256sum < "$PARTS/$name" | cut -d' ' -f1)" = "$sha" ] \
+      || { log "BAD checksum: $name"; return 1; }
+  done < <(parts_of "$group")
+  parts_of "$group" | while read -r name _ _ from count; do
+    dd if="$PARTS/$name" iflag=skip_bytes,count_bytes skip="$from" count="$count" bs=4M status=none
+  done | tar -x -C "$WHEELS"
+  (cd "$WHEELS" && sha256sum --quiet -c "SHA256SUMS.$group") && log "group $group: wheels verified"
+}
+
+reserve_needed() {  # reserve wheels whose package the image lacks or has at a failing version
+  env -u PYTHONPATH "$PY" - "$MANIFEST" <<'PY'
+import importlib.metadata as md, sys
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+for line in open(sys.argv[1]):
+    f = line.split()
+    if not f or f[0] != "reserve":
+        continue
+    _, wheel, name, spec = f
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        have = None
+    if have is None or not SpecifierSet(spec).contains(Version(have), prereleases=True):
+        print(f"reserve/{wheel}")
+        print(f"  reserve {name}: image has {have}, needs {spec}", file=sys.stderr)
+PY
+}
+
+unpack() {
+  rm -rf "$WHEELS"
+  assemble core
+  if nccl_needed; then assemble nccl; else log "image NCCL >= $NCCL_MIN: nccl group skipped"; fi
+}
+
+install() {
+  local img t0=$SECONDS wheels
+  img=$(image_site)
+  unpack
+  mapfile -t reserve < <(cd "$WHEELS" && reserve_needed)
+  wheels=("$WHEELS"/wheels/*.whl)
+  for r in "${reserve[@]}"; do wheels+=("$WHEELS/$r"); done
+  rm -rf "$SITE"
+  # One pip call: --target moves each top-level folder once, so shared namespaces (google/,
+  # nvidia/, opentelemetry/) must come from the same call.
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-warn-conflicts \
+    --target "$SITE" "${wheels[@]}"
+  log "pip --target $SITE: ${#wheels[@]} wheels in $((SECONDS - t0)) s"
+  link_cuda_libs "$img"
+  register_plugin
+  check
+}
+
+link_cuda_libs() {  # torch's RPATH is $ORIGIN/../../nvidia/{cu13,cudnn,nccl,...}/lib
+  local img=$1 d
+  mkdir -p "$SITE/nvidia"
+  for d in "$img"/nvidia/*/; do
+    d=${d%/}
+    if [ -e "$SITE/nvidia/$(basename "$d")" ]; then log "nvidia/$(basename "$d"): carried"
+    else ln -s "$d" "$SITE/nvidia/$(basename "$d")"; fi
+  done
+  log "CUDA libraries in $SITE/nvidia: $(cd "$SITE/nvidia" && echo *) (carried or linked to $img/nvidia)"
+}
+
+register_plugin() {  # the entry point vLLM reads; the code itself comes from the repo on PYTHONPATH
+  local di="$SITE/vllm_chunkattn-0.1.0.dist-info"
+  mkdir -p "$di"
+  printf 'Metadata-Version: 2.1\nName: vllm-chunkattn\nVersion: 0.1.0\n' > "$di/METADATA"
+  printf '[vllm.general_plugins]\nchunkattn = vllm_chunkattn.plugin:register\n' > "$di/entry_points.txt"
+  : > "$di/RECORD"
+}
+
+print_env() {
+  cat <<EOF
+export PYTHONPATH=$SITE:$REPO\${PYTHONPATH:+:\$PYTHONPATH}
+export PATH=$SITE/bin:\$PATH
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1   # cuDNN 9.19 (image) under torch built on 9.20
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export CHUNKATTN_BUILD_DIR=\${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=\${MAX_JOBS:-16}
+EOF
+}
+
+check() {
+  eval "$(print_env)"
+  "$PY" - "$MANIFEST" <<'PY'
+import importlib, importlib.metadata as md, os, sys
+from packaging.requirements import Requirement
+ok = True
+import torch
+print("torch", torch.__version__, torch.__file__, "CUDA", torch.version.cuda)
+cuda = torch.cuda.is_available()
+print("torch.cuda.is_available():", cuda, torch.cuda.get_device_name() if cuda else "")
+if cuda:
+    print("cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version())
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    print("matmul ok:", bool(torch.isfinite(x @ x).all()))
+import triton, vllm
+print("triton", triton.__version__, "| vllm", vllm.__version__, vllm.__file__)
+for ext in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"):
+    try:
+        importlib.import_module(ext)
+        print("loaded", ext)
+    except ImportError as e:
+        print("cannot load", ext, "-", e)
+        ok &= ext != "vllm._C_stable_libtorch"     # 0.32's vllm._C (CUDA) goes by this name
+if cuda:
+    from vllm.platforms import current_platform
+    print("platform", type(current_platform).__name__, current_platform.get_device_capability())
+    from vllm.vllm_flash_attn.flash_attn_interface import get_flash_attn_version
+    print("flash-attn version", get_flash_attn_version())
+eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
+print("vllm.general_plugins:", eps)
+ok &= "vllm_chunkattn.plugin:register" in eps
+names = [l.split()[1] for l in open(sys.argv[1]) if l.startswith("closure ")]
+env = {"extra": ""}
+for name in names:      # warn only: a version that fails a pin may still import fine
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        print("MISSING", name); ok = False; continue
+    for r in map(Requirement, dist.requires or []):
+        if r.marker and not r.marker.evaluate(env):
+            continue
+        try:
+            have = md.version(r.name)
+        except md.PackageNotFoundError:
+            continue    # not on the serve path (the closure decides what must be there)
+        if r.specifier and not r.specifier.contains(have, prereleases=True):
+            why = (" (the image's CUDA libraries, reused on purpose: bundle.py)"
+                   if r.name.startswith(("nvidia-", "cuda-toolkit")) else "")
+            print(f"version warning: {name} wants {r.name}{r.specifier}, found {have}{why}")
+if cuda or os.environ.get("ALLOW_NO_GPU") == "1":
+    print("CHECK", "OK" if ok else "FAILED")
+else:
+    print("CHECK FAILED: no CUDA device"); ok = False
+sys.exit(0 if ok else 1)
+PY
+}
+
+case "${1:-}" in
+  facts) facts ;;
+  collect) collect ;;
+  unpack) unpack ;;
+  install) install ;;
+  check) check ;;
+  env) print_env ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
+esac
