@@ -4,8 +4,9 @@ word-level tokenizer, no weights (serve with `--load-format dummy`; bench ab/off
     python -m vllm_chunkattn.model_shapes --out models                  # all shapes
     python -m vllm_chunkattn.model_shapes --out models llama-3.2-1b     # models/llama-3.2-1b
 
-The configs are the public ones (meta-llama/Llama-3.2-1B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B)
-except the special token ids, which are the local tokenizer's. Its 2048 ids are fewer than the
+The configs are the public ones (meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.2-1B,
+Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B) except the special token ids, which are the local
+tokenizer's. Its 2048 ids are fewer than the
 config's vocab_size: the embedding keeps the real size (its cost is real), prompts use ids < 2048.
 """
 from __future__ import annotations
@@ -26,6 +27,12 @@ _QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_
           "use_cache": True}
 
 SHAPES: dict[str, dict] = {
+    # The GPU A/B shape (benchmarks/gpu/README.md): 16 GB of bf16 weights, 128 KiB of KV a token.
+    "llama-3-8b": {
+        **_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False},
     "llama-3.2-1b": {
         **_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,

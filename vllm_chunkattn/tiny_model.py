@@ -6,6 +6,10 @@ random tensors (not vLLM's near-flat dummy weights), so greedy decoding has clea
 token-identical comparisons between backends mean something.
 
     python -m vllm_chunkattn.tiny_model --out models/tiny-llama
+    python -m vllm_chunkattn.tiny_model --out models/tiny-llama-bf16 --dtype bfloat16   # GPU check
+
+The default is fp32 (bit-exact comparisons on CPU). --dtype bfloat16/float16 saves the same seeded
+weights rounded to that dtype, for token-identity checks where the GPU kernels run (bf16/fp16).
 """
 from __future__ import annotations
 
@@ -65,11 +69,17 @@ def save_tokenizer(out: str | Path) -> Path:
     return out
 
 
-def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
-    """Writes config.json, tokenizer files and seeded safetensors weights into `out`."""
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def make_tiny_model(out: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Writes config.json, tokenizer files and seeded safetensors weights into `out`. The weights
+    are drawn in fp32 whatever `dtype` is, then rounded to it: every dtype holds the same model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose from {DTYPES}")
     out = save_tokenizer(out)
     torch.manual_seed(seed)
     config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
@@ -78,9 +88,9 @@ def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
         # Larger output weights than the init's 0.02 make next-token distributions peaked, so
         # greedy choices are far from ties and sampled text is not uniform noise.
         model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
-    cfg.update({"architectures": CONFIG["architectures"], "torch_dtype": "float32"})
+    cfg.update({"architectures": CONFIG["architectures"], "torch_dtype": dtype})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -97,8 +107,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="models/tiny-llama")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="weights and config dtype (default float32)")
     args = p.parse_args(argv)
-    print(make_tiny_model(args.out, args.seed))
+    print(make_tiny_model(args.out, args.seed, args.dtype))
 
 
 if __name__ == "__main__":
