@@ -48,6 +48,23 @@ def test_metadata_carries_the_batch_slot_mapping(vllm_config):
     assert torch.equal(md.slot_mapping, torch.tensor([71, 103, 128, 129, 130, 131, 132]))
 
 
+def test_non_causal_metadata_is_refused_not_computed_causally(vllm_config):
+    """Found by vLLM's attention harness: non-causal metadata (which vLLM's selector never hands
+    CUSTOM) used to reach the prefill rows as causal; building it is an error now."""
+    builder = make_builder(vllm_config)
+    query_start_loc = torch.tensor([0, 5], dtype=torch.int32)
+    seq_lens = torch.tensor([5], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc, seq_lens=seq_lens,
+        num_reqs=1, num_actual_tokens=5, max_query_len=5, max_seq_len=5,
+        block_table_tensor=torch.tensor([[1]], dtype=torch.int32),
+        slot_mapping=torch.arange(BS, BS + 5), seq_lens_cpu_upper_bound=seq_lens.clone(),
+        causal=False)
+    with set_current_vllm_config(vllm_config), pytest.raises(NotImplementedError, match="causal"):
+        builder.build(0, cm)
+    assert not backend.ChunkAttnBackend.supports_non_causal()
+
+
 def test_missing_native_kernel_is_a_startup_error_unless_opted_in(vllm_config, monkeypatch):
     """No silent slow path: without the native kernel for the device, building the backend fails
     and names the fix; CHUNKATTN_ALLOW_REFERENCE=1 opts in to the PyTorch reference."""

@@ -141,6 +141,10 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ChunkAttnMetadata:
         cm = common_attn_metadata
+        if cm.causal is not True:
+            # vLLM's selector never picks CUSTOM for non-causal attention (supports_non_causal
+            # is False); split_attn_metadata would drop the flag and make prefill rows causal.
+            raise NotImplementedError("CUSTOM (ChunkAttention) serves causal attention only")
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             cm, decode_threshold=1)
         block_table = cm.block_table_tensor[:num_decodes]

@@ -32,7 +32,10 @@ class ChunkAttnScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         _refuse_unsupported(vllm_config, kv_cache_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        self.kv_cache_manager = ChunkTreeKVCacheManager(self.kv_cache_manager, self.block_size)
+        # Already the tree where vLLM's KVCacheManager is swapped for it (tests/external).
+        if not isinstance(self.kv_cache_manager, ChunkTreeKVCacheManager):
+            self.kv_cache_manager = ChunkTreeKVCacheManager(self.kv_cache_manager,
+                                                            self.block_size)
         self.tree = self.kv_cache_manager.tree
         self.prefix_aware = os.environ.get("CHUNKATTN_PREFIX_AWARE_SCHEDULING", "1") != "0"
         self.sched_window = int(os.environ.get("CHUNKATTN_SCHED_WINDOW", "256"))
@@ -110,6 +113,23 @@ def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
     """The tree needs every slot's token id when the slot is allocated, one full-attention KV
     cache group, and no external KV (connectors) or KV events; say so at start-up rather than
     fail mid-serving."""
+    reasons = kv_cache_config_refusals(kv_cache_config)
+    if vllm_config.speculative_config is not None:
+        reasons.append("speculative decoding (lookahead slots have no tokens yet)")
+    if vllm_config.scheduler_config.async_scheduling:
+        reasons.append("async scheduling")
+    if vllm_config.kv_transfer_config is not None:
+        reasons.append("KV connectors")
+    if vllm_config.kv_events_config is not None and \
+            vllm_config.kv_events_config.enable_kv_cache_events:
+        reasons.append("KV cache events")
+    if reasons:
+        raise ValueError("the chunk prefix tree KV cache manager (--attention-backend CUSTOM) "
+                         f"does not support {', '.join(reasons)}")
+
+
+def kv_cache_config_refusals(kv_cache_config) -> list[str]:
+    """What in the KV cache layout alone the tree cannot serve: one full-attention group only."""
     reasons = []
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -125,15 +145,4 @@ def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
             reasons.append(f"{kind.value} KV cache groups")
     if kv_cache_config.needs_kv_cache_zeroing:
         reasons.append("KV cache blocks that must be zeroed (Mamba or mixed-precision KV)")
-    if vllm_config.speculative_config is not None:
-        reasons.append("speculative decoding (lookahead slots have no tokens yet)")
-    if vllm_config.scheduler_config.async_scheduling:
-        reasons.append("async scheduling")
-    if vllm_config.kv_transfer_config is not None:
-        reasons.append("KV connectors")
-    if vllm_config.kv_events_config is not None and \
-            vllm_config.kv_events_config.enable_kv_cache_events:
-        reasons.append("KV cache events")
-    if reasons:
-        raise ValueError("the chunk prefix tree KV cache manager (--attention-backend CUSTOM) "
-                         f"does not support {', '.join(reasons)}")
+    return reasons
