@@ -128,6 +128,8 @@ def test_max_cache_hit_length_caps_the_match_in_tokens(hasher):
             for cap in (0, BS - 1, 2 * BS, 2 * BS + 7, 10 * BS)}
     assert hits == {0: 0, BS - 1: 0, 2 * BS: 2 * BS, 2 * BS + 7: 2 * BS, 10 * BS: 4 * BS}
     assert manager.get_computed_blocks(req, None)[1] == 4 * BS
+    # 0.33 passes the cap to the connector-side lookup too.
+    assert manager.get_computed_blocks_for_connector(req, 2 * BS + 7)[1:] == (2 * BS, 0, False)
 
 
 def test_every_method_the_scheduler_calls_is_the_tree_managers_own():

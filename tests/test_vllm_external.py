@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from vllm_sources import vllm_sources
 
 pytest.importorskip("vllm")
 
@@ -28,21 +29,6 @@ SELECTION = [
     "tests/v1/attention/test_attention_backends.py::test_causal_backend_correctness",
     "tests/v1/attention/test_attention_backends.py::test_non_causal_backend_correctness",
 ]
-
-
-def vllm_sources(version: str) -> Path:
-    """The fetched source tree (fetched now if not cached); skips when it cannot be fetched,
-    unless CHUNKATTN_REQUIRE_VLLM_SOURCES=1 (CI, which has network)."""
-    dest = ROOT / ".cache" / "vllm-src" / version
-    if not (dest / ".complete").exists():
-        fetch = subprocess.run(["bash", str(EXTERNAL / "fetch_vllm_tests.sh"), version],
-                               capture_output=True, text=True, timeout=600)
-        if fetch.returncode != 0:
-            why = f"vLLM {version} sources could not be fetched: {fetch.stderr.strip()[-300:]}"
-            if os.environ.get("CHUNKATTN_REQUIRE_VLLM_SOURCES") == "1":
-                pytest.fail(why)
-            pytest.skip(why)
-    return dest
 
 
 def test_vllm_own_tests_pass_against_the_tree_and_custom(tmp_path, capsys):

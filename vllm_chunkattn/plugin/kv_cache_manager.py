@@ -80,10 +80,12 @@ class ChunkTreeKVCacheManager(KVCacheManager):
         num_blocks = _num_blocks_for(num_computed_tokens, self.block_size)
         return (self.get_block_ids(request_id)[0][:num_blocks],)
 
-    def get_computed_blocks_for_connector(self, request: Request
+    def get_computed_blocks_for_connector(self, request: Request,
+                                          max_cache_hit_length: int | None = None
                                           ) -> tuple[KVCacheBlocks, int, int, bool]:
         # vLLM's answer for models without Mamba groups: the plain lookup, never diverged.
-        return *self.get_computed_blocks(request), False
+        # vLLM 0.33 passes max_cache_hit_length positionally, as to get_computed_blocks.
+        return *self.get_computed_blocks(request, max_cache_hit_length), False
 
     def truncate_computed_blocks(self, blocks: KVCacheBlocks,
                                  num_computed_tokens: int) -> KVCacheBlocks:
