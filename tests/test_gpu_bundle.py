@@ -118,6 +118,11 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
                 p.unlink()
             f.rmdir()
     assert "group core: complete" in out.stdout and "group nccl: complete" in out.stdout
+    folder, name = rows[0][:2]                              # an earlier call's folder left over
+    (carried / folder).mkdir(parents=True)
+    (carried / folder / name).write_bytes((bundle_dir / folder / name).read_bytes())
+    out = _installer(env, "collect")
+    assert out.returncode == 0 and " ok (" not in out.stdout     # not copied or checked again
 
     out = _installer(env, "unpack")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -3,6 +3,7 @@ vllm 0.32.0 (CUDA), split into <= 60 MiB parts that travel one per device call (
 
     .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
     .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
+    .venv/bin/python benchmarks/gpu/bundle.py build --from-manifest   # the committed bundle again
     .venv/bin/python benchmarks/gpu/bundle.py status         # what is built, per device call
 
 `closure` runs import_probe.py in a Python 3.12 venv holding vLLM's wheels (and with --live
@@ -33,7 +34,6 @@ BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part
 MANIFEST = HERE / "bundle_manifest.txt"
 PART_BYTES = 60 << 20
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
-VLLM = ("vllm", "0.32.0")
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 DEVICE_ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
@@ -73,9 +73,10 @@ IMAGE_VERSIONS = {
     "accelerate": "1.15.0", "cupy-cuda13x": "14.2.0", "jax": "0.11.2", "onnx": "1.23.1",
     "nvidia-nccl-cu13": "2.28.9", "nvidia-cudnn-cu13": "9.19.0.56", "nvidia-cublas": "13.1.0.3",
     "nvidia-cusparselt-cu13": "0.8.0", "nvidia-nvshmem-cu13": "3.4.5",
-    "nvidia-cuda-runtime": "13.0.96", "nvidia-cuda-nvrtc": "13.0.88", "nvidia-cuda-cupti": "13.0.85",
-    "nvidia-cufft": "12.0.0.61", "nvidia-curand": "10.4.0.35", "nvidia-cusolver": "12.0.4.66",
-    "nvidia-cusparse": "12.6.3.3", "nvidia-cufile": "1.15.1.6", "nvidia-nvtx": "13.0.85",
+    "nvidia-cuda-runtime": "13.0.96", "nvidia-cuda-nvrtc": "13.0.88",
+    "nvidia-cuda-cupti": "13.0.85", "nvidia-cufft": "12.0.0.61", "nvidia-curand": "10.4.0.35",
+    "nvidia-cusolver": "12.0.4.66", "nvidia-cusparse": "12.6.3.3", "nvidia-cufile": "1.15.1.6",
+    "nvidia-nvtx": "13.0.85",
 }
 # Imported by the serve path only when installed; vLLM and torch fall back without them (closure
 # re-checks: a name whose absence breaks an import is dropped from this list).
@@ -88,9 +89,9 @@ OPTIONAL_MODULES = ["flashinfer", "cutlass", "cudnn", "humming", "cuda.tile", "c
 SHARED_LIBS = {"nvidia-nccl-cu13": "2.29.7"}
 
 
-def _probe(python: str, args: list[str], env: dict | None = None) -> dict:
+def _probe(python: str, args: list[str]) -> dict:
     out = subprocess.run([python, str(HERE / "import_probe.py"), *args], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     if out.returncode:
         sys.exit(f"import_probe failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout[out.stdout.index("{"):])
@@ -151,7 +152,7 @@ def closure(args) -> None:
         for n in renamed:
             if n in dists:
                 dists[n]["seen"].append("live")
-            elif n in image:     # imported only where present (the image has it; vLLM's deps lack it)
+            elif n in image:     # imported where present: the image has it, vLLM's deps not
                 dists[n] = {"name": n, "version": "?", "requires": [], "seen": ["live"]}
             else:
                 print(f"live run loaded {n}: neither the 3.12 venv nor the image has it; left out")
@@ -159,7 +160,7 @@ def closure(args) -> None:
               "live_processes": live and live["processes"], "distributions": dists}
     BUNDLE.mkdir(exist_ok=True)
     (BUNDLE / "closure.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{len(dists)} distributions -> {BUNDLE / 'closure.json'}; absent on the device: {blocked}")
+    print(f"{len(dists)} distributions -> {BUNDLE / 'closure.json'}; left absent: {blocked}")
 
 
 def plan(dists: dict) -> tuple[list, list, list]:
@@ -267,34 +268,18 @@ def _split(tars: list[Path]) -> list[tuple[str, str, int, str]]:
     return rows
 
 
-def build(args) -> None:
-    dists = json.loads((BUNDLE / "closure.json").read_text())["distributions"]
-    carry, reserve, reuse = plan(dists)
-    wheels = BUNDLE / "wheels"
-    _download([f"{r[0]}=={r[1]}" for r in carry + reserve] +
-              [f"{n}=={v}" for n, v in SHARED_LIBS.items()], wheels)
-    big = [r for r in reserve if _wheel_for(wheels, r[0], r[1]).stat().st_size > RESERVE_MAX]
-    reserve = [r for r in reserve if r not in big]
-    reuse += [(n, "?", f"unread, too big to hold in reserve; check on the device: {why[22:]}")
-              for n, _, why, _ in big]
-    groups = {"core": [(r[0], r[1]) for r in carry + reserve],
-              "nccl": list(SHARED_LIBS.items())}
-    keep = {_wheel_for(wheels, n, v) for g in groups.values() for n, v in g}
-    for f in set(wheels.glob("*.whl")) - keep:
-        f.unlink()
+def _pack(groups: dict[str, list[tuple[str, Path]]]) -> tuple[list[str], list[str]]:
+    """{group: [(wheels|reserve, wheel path)]} -> tars back to back -> parts in BUNDLE/cNN.
+    Returns the manifest's `wheel` lines and its `group` + `part` lines."""
     for old in BUNDLE.glob("c[0-9]*"):
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
-    reserved = {canon(r[0]) for r in reserve}
     lines, group_lines, tars, offset = [], [], [], 0
     for group, members in groups.items():
-        files = []
-        for n, v in members:
-            whl = _wheel_for(wheels, n, v)
-            sub = "reserve" if canon(n) in reserved else "wheels"
-            files.append((f"{sub}/{whl.name}", whl))
-            lines.append(f"wheel {group} {sub} {whl.stat().st_size} {_sha256(whl)} {whl.name}")
+        files = [(f"{sub}/{whl.name}", whl) for sub, whl in members]
+        lines += [f"wheel {group} {sub} {whl.stat().st_size} {_sha256(whl)} {whl.name}"
+                  for sub, whl in members]
         sums_file = BUNDLE / f"{group}.SHA256SUMS"
         sums_file.write_text("".join(f"{_sha256(p)}  {a}\n" for a, p in sorted(files)))
         tar = BUNDLE / f"{group}.tar"
@@ -306,7 +291,47 @@ def build(args) -> None:
     parts = [f"part {folder} {name} {size} {sha}" for folder, name, size, sha in _split(tars)]
     for tar in tars:
         tar.unlink()
-    _write_manifest(carry, reserve, reuse, lines, group_lines + parts, dists)
+    return lines, group_lines + parts
+
+
+def build(args) -> None:
+    if args.from_manifest:
+        return _rebuild()
+    dists = json.loads((BUNDLE / "closure.json").read_text())["distributions"]
+    carry, reserve, reuse = plan(dists)
+    wheels = BUNDLE / "wheels"
+    _download([f"{r[0]}=={r[1]}" for r in carry + reserve] +
+              [f"{n}=={v}" for n, v in SHARED_LIBS.items()], wheels)
+    big = [r for r in reserve if _wheel_for(wheels, r[0], r[1]).stat().st_size > RESERVE_MAX]
+    reserve = [r for r in reserve if r not in big]
+    reuse += [(n, "?", f"unread, too big to hold in reserve; check on the device: {why[22:]}")
+              for n, _, why, _ in big]
+    groups = {"core": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in carry] +
+                      [("reserve", _wheel_for(wheels, r[0], r[1])) for r in reserve],
+              "nccl": [("wheels", _wheel_for(wheels, n, v)) for n, v in SHARED_LIBS.items()]}
+    for f in set(wheels.glob("*.whl")) - {w for g in groups.values() for _, w in g}:
+        f.unlink()
+    lines, layout = _pack(groups)
+    _write_manifest(carry, reserve, reuse, lines, layout, dists)
+
+
+def _rebuild() -> None:
+    """The committed manifest's exact wheels, fetched again and packed again: the parts must come
+    out with the manifest's checksums (no closure venv needed)."""
+    rows = [ln.split()[1:] for ln in MANIFEST.read_text().splitlines() if ln.startswith("wheel ")]
+    wheels = BUNDLE / "wheels"
+    pins = [f"{f.split('-')[0]}=={f.split('-')[1]}" for *_, f in rows]
+    _download(pins, wheels)
+    groups: dict[str, list[tuple[str, Path]]] = {}
+    for group, sub, _, sha, fname in rows:
+        if _sha256(wheels / fname) != sha:
+            sys.exit(f"{fname}: checksum differs from the manifest's")
+        groups.setdefault(group, []).append((sub, wheels / fname))
+    _, layout = _pack(groups)
+    want = [ln for ln in MANIFEST.read_text().splitlines() if ln.startswith(("group ", "part "))]
+    if layout != want:
+        sys.exit("rebuilt parts differ from the manifest's (tar layout changed?)")
+    print(f"rebuilt {sum(ln.startswith('part ') for ln in layout)} parts; all match the manifest")
 
 
 def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> None:
@@ -360,6 +385,12 @@ def status(args) -> None:
         ok = p.exists() and p.stat().st_size == int(nbytes) and (args.quick or _sha256(p) == sha)
         print(f"call {folder[1:]}: carry .bundle/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
               f"  {'ok' if ok else 'MISSING/BAD'}")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, text=True).stdout.split("\0")
+    tree = sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())
+    call = tree + max(int(p[3]) for p in parts)
+    print(f"the tree that travels: {tree / 2**20:.2f} MiB; largest call {call / 2**20:.2f} MiB "
+          f"of 64 MiB{'' if call < 64 << 20 else ': TOO BIG, ignore or remove untracked files'}")
 
 
 def main(argv=None):
@@ -368,7 +399,9 @@ def main(argv=None):
     c = sub.add_parser("closure", help="find the distributions the serve path imports")
     c.add_argument("--python", required=True, help="python of a 3.12 venv holding vLLM's wheels")
     c.add_argument("--live", action="store_true", help="also record a CPU serve+bench run here")
-    sub.add_parser("build", help="download, split into parts, write the manifest")
+    b = sub.add_parser("build", help="download, split into parts, write the manifest")
+    b.add_argument("--from-manifest", action="store_true", help="refetch and repack the "
+                   "committed manifest's wheels instead (checks the parts' checksums)")
     s = sub.add_parser("status", help="list the parts, one per device call, and check them")
     s.add_argument("--quick", action="store_true", help="sizes only, no checksums")
     args = p.parse_args(argv)

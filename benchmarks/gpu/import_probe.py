@@ -30,7 +30,8 @@ from pathlib import Path
 
 # The `vllm serve` and `vllm bench serve` path for a Llama model on a CUDA GPU, as modules.
 SERVE_MODULES = [
-    "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve", "vllm.entrypoints.cli.benchmark.serve",
+    "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.cli.benchmark.serve",
     "vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api_server.entry",
     "vllm.benchmarks.serve", "vllm.benchmarks.datasets",
     "vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client",

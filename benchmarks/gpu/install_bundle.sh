@@ -29,13 +29,16 @@ parts_of() {   # the parts group $1's byte range touches: "name bytes sha from c
   while read -r name bytes sha; do
     end=$((pos + bytes))
     if [ "$end" -gt "$off" ] && [ "$pos" -lt $((off + len)) ]; then
-      local from=$(( off > pos ? off - pos : 0 )) to=$(( off + len < end ? off + len - pos : bytes ))
+      local from=$(( off > pos ? off - pos : 0 ))
+      local to=$(( off + len < end ? off + len - pos : bytes ))
       echo "$name $bytes $sha $from $((to - from))"
     fi
     pos=$end
   done < <(part_lines)
 }
-image_site() { env -u PYTHONPATH "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+image_site() {
+  env -u PYTHONPATH "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
 image_version() {   # the image's own version of a distribution, "" if absent
   env -u PYTHONPATH "$PY" -c "import importlib.metadata as m, sys
 try: print(m.version(sys.argv[1]))
@@ -51,8 +54,9 @@ sys.exit(0 if V(sys.argv[1]) < V(sys.argv[2]) else 1)" "$v" "$NCCL_MIN"
 facts() {
   "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  env -u PYTHONPATH "$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
-    '^(torch|triton|torchvision|torchaudio|transformers|huggingface.hub|tokenizers|numpy|nvidia-|cuda-|aiohttp|requests|pillow|protobuf|setuptools|typing.extensions|opencv|filelock|anyio)' \
+  local names='torch|triton|torchvision|torchaudio|transformers|huggingface.hub|tokenizers|numpy'
+  names+='|nvidia-|cuda-|aiohttp|requests|pillow|protobuf|setuptools|typing.extensions|opencv'
+  env -u PYTHONPATH "$PY" -m pip list --format=freeze 2>/dev/null | grep -iE "^($names)" \
     | tr '\n' ' '; echo
   df -h /tmp | tail -1
 }
@@ -66,17 +70,20 @@ collect() {   # copy the part(s) carried in this call to $PARTS and verify them 
   for f in "$BUNDLE"/c*/bundle.part*; do
     [ -e "$f" ] || continue
     name=$(basename "$f")
+    [ -f "$PARTS/$name.ok" ] && continue     # an earlier call's folder, still in the tree
     read -r bytes sha < <(awk -v n="$name" '$1 == "part" && $3 == n {print $4, $5}' "$MANIFEST")
     cp "$f" "$PARTS/$name"
     if [ "$(sha256sum < "$PARTS/$name" | cut -d' ' -f1)" != "$sha" ]; then
       log "BAD checksum: $name (manifest and carried part differ: rebuild or re-carry)"
       rm -f "$PARTS/$name"; return 1
     fi
+    touch "$PARTS/$name.ok"
     log "part $name ok ($bytes B)"
   done
   local g missing
   while read -r g; do
-    missing=$(parts_of "$g" | while read -r name _; do [ -f "$PARTS/$name" ] || echo -n "$name "; done)
+    missing=$(parts_of "$g" | while read -r name _; do
+      [ -f "$PARTS/$name" ] || echo -n "$name "; done)
     log "group $g: ${missing:+missing }${missing:-complete}"
   done < <(awk '$1 == "group" {print $2}' "$MANIFEST")
 }
@@ -147,14 +154,16 @@ link_cuda_libs() {  # torch's RPATH is $ORIGIN/../../nvidia/{cu13,cudnn,nccl,...
     if [ -e "$SITE/nvidia/$(basename "$d")" ]; then log "nvidia/$(basename "$d"): carried"
     else ln -s "$d" "$SITE/nvidia/$(basename "$d")"; fi
   done
-  log "CUDA libraries in $SITE/nvidia: $(cd "$SITE/nvidia" && echo *) (carried or linked to $img/nvidia)"
+  log "CUDA libraries in $SITE/nvidia: $(cd "$SITE/nvidia" && echo *)" \
+      "(carried, or links to $img/nvidia)"
 }
 
 register_plugin() {  # the entry point vLLM reads; the code itself comes from the repo on PYTHONPATH
   local di="$SITE/vllm_chunkattn-0.1.0.dist-info"
   mkdir -p "$di"
   printf 'Metadata-Version: 2.1\nName: vllm-chunkattn\nVersion: 0.1.0\n' > "$di/METADATA"
-  printf '[vllm.general_plugins]\nchunkattn = vllm_chunkattn.plugin:register\n' > "$di/entry_points.txt"
+  printf '[vllm.general_plugins]\nchunkattn = vllm_chunkattn.plugin:register\n' \
+    > "$di/entry_points.txt"
   : > "$di/RECORD"
 }
 

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Issue #10 on the lent GPU, one system per device call (README.md, "vLLM serve A/B"): `vllm serve`
+# stock or with --attention-backend CUSTOM on the Llama-3-8B shape (dummy bf16 weights), then
+# `vllm bench serve` over the issue's workloads, KV usage sampled from /metrics meanwhile.
+#   bash benchmarks/gpu/serve_ab.sh stock|custom [WORKLOAD ...]   # default: all, in this order:
+#     random prefix1x2k prefix4x2k n8x1k tree
+# Needs `install_bundle.sh install` done on this warm machine. $OUT gets summary_<tag>.md,
+# server_<tag>.log and results_<tag>.tar.gz (bench JSONs, bench logs, KV samples); tag =
+# <system>-r<ROUND> (ROUND=1 by default; ABBA: stock r1, custom r1, custom r2, stock r2).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+SYSTEM=${1:?stock or custom}; shift
+[ "$SYSTEM" = stock ] || [ "$SYSTEM" = custom ] || { echo "system: stock or custom" >&2; exit 2; }
+WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k prefix4x2k n8x1k tree)
+TAG=$SYSTEM-r${ROUND:-1}
+OUT=${OUT:-/tmp/serve_ab_out}; mkdir -p "$OUT"
+WORK=/tmp/serve_ab/$TAG; rm -rf "$WORK"; mkdir -p "$WORK"
+MODEL=${MODEL:-/tmp/models/llama-3-8b}; PORT=${PORT:-8000}; URL=http://127.0.0.1:$PORT
+VLLM=${VLLM:-vllm}                           # the CLI (a wrapper for a CPU dry run)
+N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
+BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
+eval "$(bash benchmarks/gpu/install_bundle.sh env)"
+export PYTHONUNBUFFERED=1
+
+PY=${PYTHON:-python3}                        # the image's python (torch, transformers)
+[ -f "$MODEL/config.json" ] || $PY -m vllm_chunkattn.model_shapes --out /tmp/models llama-3-8b
+TREE=/tmp/models/tree_1024_4x512_16.jsonl    # system 1024 -> 4 documents of 512 -> 16 questions
+mkdir -p /tmp/models
+[ -f $TREE ] || $PY -c "
+from pathlib import Path
+from vllm_chunkattn.bench.ab_workloads import tree, write_tree_jsonl
+from vllm_chunkattn.tiny_model import SPECIAL, vocabulary
+words = [w for w in vocabulary() if w not in SPECIAL]       # one token each
+write_tree_jsonl(tree(1024, 4, 512, 16), Path('$TREE'), words)"
+
+# 64 requests, 32 at a time (the issue's "2K shared x >= 32 concurrent"), 256 output tokens each
+# (--ignore-eos: dummy weights would otherwise stop at random); the tree's outputs are 128-512.
+# JSON without spaces: the flags are word-split.
+COMMON=(--num-prompts "$N" --max-concurrency 32 --ignore-eos)
+workload() {
+  case $1 in
+    random)     echo --dataset-name random --random-input-len 2208 --random-output-len "$OUT_LEN" \
+                     --random-range-ratio 0 "${COMMON[@]}" ;;
+    prefix1x2k) echo --dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 \
+                     --prefix-repetition-suffix-len 160 --prefix-repetition-num-prefixes 1 \
+                     --prefix-repetition-output-len "$OUT_LEN" "${COMMON[@]}" ;;
+    prefix4x2k) echo --dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 \
+                     --prefix-repetition-suffix-len 160 --prefix-repetition-num-prefixes 4 \
+                     --prefix-repetition-output-len "$OUT_LEN" "${COMMON[@]}" ;;
+    n8x1k)      echo --dataset-name random --random-input-len 1024 --random-output-len "$OUT_LEN" \
+                     --random-range-ratio 0 --num-prompts $((N / 4)) --max-concurrency 4 \
+                     --ignore-eos \
+                     --extra-body '{"n":8,"temperature":1.0}' ;;
+    tree)       echo --dataset-name custom --dataset-path $TREE --skip-chat-template \
+                     --custom-output-len "${OUTPUT_LEN:--1}" "${COMMON[@]}" ;;
+    *) echo "unknown workload $1" >&2; return 1 ;;
+  esac
+}
+
+server_args=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port "$PORT"
+             --gpu-memory-utilization 0.90)
+[ "$SYSTEM" = custom ] && server_args+=(--attention-backend CUSTOM)
+echo "== $TAG: vllm serve $MODEL ${server_args[*]}"
+t0=$SECONDS
+CHUNKATTN_STATS_FILE=$WORK/chunkattn_stats.json "$VLLM" serve "$MODEL" "${server_args[@]}" \
+  > "$OUT/server_$TAG.log" 2>&1 &
+SERVER=$!
+until curl -sf "$URL/health" > /dev/null; do
+  kill -0 $SERVER 2> /dev/null || { echo "server died:"; tail -40 "$OUT/server_$TAG.log"; exit 1; }
+  [ $((SECONDS - t0)) -lt 330 ] || { echo "server not up in 330 s"; kill -INT $SERVER; exit 1; }
+  sleep 2
+done
+echo "server up in $((SECONDS - t0)) s"
+grep -m3 -iE "chunkattn|attention backend" "$OUT/server_$TAG.log"
+
+echo idle > "$WORK/current"
+( while sleep 0.25; do      # KV usage and running requests, tagged with the workload in flight
+    curl -s "$URL/metrics" | awk -v w="$(cat "$WORK/current")" -v t="$SECONDS" \
+      '/^vllm:(kv_cache_usage_perc|num_requests_running)[{ ]/ {print t, w, $1, $NF}'
+  done >> "$WORK/kv.tsv" ) &
+SAMPLER=$!
+
+bench() {   # name, then `vllm bench serve` flags
+  local name=$1; shift
+  echo "$name" > "$WORK/current"
+  timeout 200 "$VLLM" bench serve --backend vllm --base-url "$URL" --model "$MODEL" --seed 0 \
+    --save-result --result-dir "$WORK" --result-filename "$name.json" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?; echo idle > "$WORK/current"
+  echo "$name: rc=$rc, $(grep -E 'Output token throughput' "$WORK/$name.log" | tr -s ' ')"
+}
+# shellcheck disable=SC2046   # workload flags are single words by construction
+bench warmup $(workload random | sed "s/--num-prompts $N/--num-prompts 8/")
+for w in "${WORKLOADS[@]}"; do
+  [ $((SECONDS - t0)) -lt $((BUDGET_S - 120)) ] || { echo "$w: skipped (budget)"; continue; }
+  # shellcheck disable=SC2046
+  bench "$w" $(workload "$w")
+done
+kill $SAMPLER 2> /dev/null
+kill -INT $SERVER; wait $SERVER 2> /dev/null
+echo "server stopped; $((SECONDS - t0)) s in all"
+
+$PY - "$WORK" "$TAG" "${WORKLOADS[@]}" > "$OUT/summary_$TAG.md" <<'PY'
+import json, sys
+from pathlib import Path
+work, tag, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+peak = {}
+for line in (work / "kv.tsv").read_text().splitlines() if (work / "kv.tsv").exists() else []:
+    _, w, metric, value = line.split()
+    key = (w, metric.split("{")[0])
+    peak[key] = max(peak.get(key, 0.0), float(value))
+print(f"# {tag}: vllm serve Llama-3-8B shape (dummy bf16), vllm bench serve\n")
+print("| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
+      "| peak KV % | peak running |")
+print("|---|---|---|---|---|---|---|---|")
+for n in names:
+    f = work / f"{n}.json"
+    if not f.exists():
+        print(f"| {n} | (no result) |||||||")
+        continue
+    r = json.loads(f.read_text())
+    print(f"| {n} | {r.get('completed')} | {r.get('output_throughput', 0):.1f} "
+          f"| {r.get('mean_tpot_ms', 0):.2f} | {r.get('p99_tpot_ms', 0):.2f} "
+          f"| {r.get('mean_ttft_ms', 0):.1f} "
+          f"| {100 * peak.get((n, 'vllm:kv_cache_usage_perc'), 0):.1f} "
+          f"| {peak.get((n, 'vllm:num_requests_running'), 0):.0f} |")
+PY
+grep -m1 "kernel=" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
+grep -m1 "KV cache size" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
+tar -czf "$OUT/results_$TAG.tar.gz" -C "$WORK" .
+cat "$OUT/summary_$TAG.md"
