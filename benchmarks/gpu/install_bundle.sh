@@ -201,10 +201,14 @@ for ext in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch")
         print("cannot load", ext, "-", e)
         ok &= ext != "vllm._C_stable_libtorch"     # 0.32's vllm._C (CUDA) goes by this name
 if cuda:
-    from vllm.platforms import current_platform
-    print("platform", type(current_platform).__name__, current_platform.get_device_capability())
-    from vllm.vllm_flash_attn.flash_attn_interface import get_flash_attn_version
-    print("flash-attn version", get_flash_attn_version())
+    try:                    # informational: which FlashAttention the FLASH_ATTN backend gets
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        print("platform", type(current_platform).__name__,
+              current_platform.get_device_capability(),
+              "flash-attn version", get_flash_attn_version(head_size=128))
+    except Exception as e:  # noqa: BLE001
+        print("flash-attn version: unknown -", repr(e))
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 print("vllm.general_plugins:", eps)
 ok &= "vllm_chunkattn.plugin:register" in eps
