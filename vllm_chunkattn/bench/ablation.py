@@ -26,6 +26,7 @@ from vllm_chunkattn.bench import provenance
 from vllm_chunkattn.bench.ab import (SERVED_NAME, TINY_SERVER_ARGS, kv_capacity_tokens, log,
                                      run_workload, tiny_request)
 from vllm_chunkattn.bench.ab_workloads import full_workloads
+from vllm_chunkattn.model_shapes import has_weights
 from vllm_chunkattn.serve import ServerProcess
 
 CUSTOM = ["--attention-backend", "CUSTOM"]
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     model = a.model or str(ensure_tiny_model())
     common = shlex.split(TINY_SERVER_ARGS.format(kv_bytes=a.kv_cache_bytes, dtype=a.dtype))
     common += ["--served-model-name", SERVED_NAME]
+    if not has_weights(model):
+        common += ["--load-format", "dummy"]          # a model_shapes config: no weights
     tmp = Path(tempfile.mkdtemp(prefix="chunkattn-ablation-"))
     if a.baseline:
         src = baseline_tree(a.baseline, tmp)
