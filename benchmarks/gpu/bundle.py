@@ -116,7 +116,12 @@ def _live_run(log_dir: Path) -> None:
                   "--random-output-len", "8"],
                  ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "64",
                   "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes", "2",
-                  "--prefix-repetition-output-len", "8"]]
+                  "--prefix-repetition-output-len", "8"],
+                 ["--dataset-name", "custom", "--dataset-path", str(site / "tree.jsonl"),
+                  "--skip-chat-template", "--custom-output-len", "8"]]       # serve_ab.sh's tree
+    (site / "tree.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"the system prompt then question {i}"}) + "\n"
+                for i in range(4)))
     with ServerProcess(model, ["--max-model-len", "1024", "--attention-backend", "CUSTOM"],
                        env=env) as server:
         for w in workloads:
@@ -342,9 +347,11 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
         by_group.setdefault(ln.split()[1], []).append(int(ln.split()[3]))
     out = ["# vLLM 0.32.0 (CUDA) for the lent GPU: what the image 'cuda' (Python 3.12, torch",
            "# 2.11.0+cu130) lacks for `vllm serve` + `vllm bench serve` of a Llama model.",
-           "# Made by `.venv/bin/python benchmarks/gpu/bundle.py closure ... && ... build`;",
-           "# installed by benchmarks/gpu/install_bundle.sh, which reads the lines after",
-           "# '# machine-readable'. Sizes: MiB in comments, bytes in those lines.",
+           "# Made by `.venv/bin/python benchmarks/gpu/bundle.py closure ... && ... build`: the",
+           "# import closure from import_probe.py in a Python 3.12 venv holding vLLM's CUDA wheels",
+           "# (CUDA platform forced, optional imports hidden) and a live CPU serve + bench run.",
+           "# Parts again: `bundle.py build --from-manifest`. install_bundle.sh reads the lines",
+           "# after '# machine-readable'. Sizes: MiB in comments, bytes in those lines.",
            "#"]
     for ln in part_lines:
         if ln.startswith("group "):

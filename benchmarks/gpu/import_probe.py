@@ -14,6 +14,7 @@ CUDA-only module-level imports count although this machine has no GPU. For a liv
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import importlib
 import importlib.machinery
@@ -127,17 +128,20 @@ def _describe(dist) -> dict:
 
 def snapshot_to(log_dir: str, every_s: float = 1.0):
     """For a live run (called from sitecustomize): each process appends its newly loaded modules
-    to LOG_DIR/<pid>.txt every second. Polling, because forked workers end in os._exit."""
-    baseline = set(sys.modules)
+    to LOG_DIR/<pid>.txt every second and at exit. Polling, because forked workers end in
+    os._exit (no atexit); short processes (the bench client) are caught by the atexit flush."""
+    written = set(sys.modules)
+
+    def flush():            # no lock (a lock held across fork would hang the child's exit):
+        new = loaded_files(written)        # a race only writes a line twice
+        written.update(new)
+        if new:
+            with open(os.path.join(log_dir, f"{os.getpid()}.txt"), "a") as fh:
+                fh.writelines(f"{n}\t{f}\n" for n, f in new.items())
 
     def loop():
-        written = set(baseline)
         while True:
-            new = {n: f for n, f in loaded_files(written).items()}
-            written |= set(sys.modules)
-            if new:
-                with open(os.path.join(log_dir, f"{os.getpid()}.txt"), "a") as fh:
-                    fh.writelines(f"{n}\t{f}\n" for n, f in new.items())
+            flush()
             time.sleep(every_s)
 
     def start():
@@ -145,6 +149,7 @@ def snapshot_to(log_dir: str, every_s: float = 1.0):
 
     os.makedirs(log_dir, exist_ok=True)
     os.register_at_fork(after_in_child=start)
+    atexit.register(flush)
     start()
 
 

@@ -65,7 +65,9 @@ t0=$SECONDS
 CHUNKATTN_STATS_FILE=$WORK/chunkattn_stats.json "$VLLM" serve "$MODEL" "${server_args[@]}" \
   > "$OUT/server_$TAG.log" 2>&1 &
 SERVER=$!
-until curl -sf "$URL/health" > /dev/null; do
+up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+       "$URL/health" 2> /dev/null; }      # no curl needed on the image
+until up; do
   kill -0 $SERVER 2> /dev/null || { echo "server died:"; tail -40 "$OUT/server_$TAG.log"; exit 1; }
   [ $((SECONDS - t0)) -lt 330 ] || { echo "server not up in 330 s"; kill -INT $SERVER; exit 1; }
   sleep 2
@@ -74,10 +76,23 @@ echo "server up in $((SECONDS - t0)) s"
 grep -m3 -iE "chunkattn|attention backend" "$OUT/server_$TAG.log"
 
 echo idle > "$WORK/current"
-( while sleep 0.25; do      # KV usage and running requests, tagged with the workload in flight
-    curl -s "$URL/metrics" | awk -v w="$(cat "$WORK/current")" -v t="$SECONDS" \
-      '/^vllm:(kv_cache_usage_perc|num_requests_running)[{ ]/ {print t, w, $1, $NF}'
-  done >> "$WORK/kv.tsv" ) &
+$PY - "$URL/metrics" "$WORK" <<'PY' &
+# KV usage and running requests every 0.25 s, tagged with the workload in flight.
+import sys, time, urllib.request
+url, work = sys.argv[1:3]
+with open(f"{work}/kv.tsv", "a") as out:
+    while True:
+        try:
+            text = urllib.request.urlopen(url, timeout=2).read().decode()
+            w = open(f"{work}/current").read().strip()
+            for line in text.splitlines():
+                if line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_running")):
+                    out.write(f"{time.time():.2f} {w} {line.split('{')[0]} {line.split()[-1]}\n")
+            out.flush()
+        except OSError:
+            pass
+        time.sleep(0.25)
+PY
 SAMPLER=$!
 
 bench() {   # name, then `vllm bench serve` flags
