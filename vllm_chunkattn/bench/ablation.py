@@ -111,6 +111,9 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        if a.baseline:                       # the worktree is registered in this repo: unregister
+            subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[2]), "worktree",
+                            "remove", "--force", str(src)], capture_output=True)
     write_report(results, variants, a, command, model, load_before)
     return 0
 
