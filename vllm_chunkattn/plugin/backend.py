@@ -7,6 +7,7 @@ keeps that backend's layout and our kernels read it in place.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -119,7 +120,6 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         SHARING_STATS.publish_to_metrics(vllm_config)
         global _announced
         if not _announced:
-            import os
             kernel = kernel_name(device)
             # The PyTorch reference decodes 10-100x slower: serve with it only when asked to.
             allow_reference = os.environ.get("CHUNKATTN_ALLOW_REFERENCE") == "1"
