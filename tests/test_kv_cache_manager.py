@@ -148,6 +148,27 @@ def test_every_method_the_scheduler_calls_is_the_tree_managers_own():
     assert all(hasattr(manager, name) for name in names - methods), names - methods
 
 
+def test_the_tree_manager_wraps_vllms_and_names_a_call_it_lacks(hasher, monkeypatch):
+    """Composition: the stock manager is held, not adopted, and a KVCacheManager method a newer
+    vLLM would call is an error naming it instead of stock code run on stock state."""
+    manager = make_manager("tree", 16, BS)
+    assert not isinstance(manager, KVCacheManager) and isinstance(manager.stock, KVCacheManager)
+    monkeypatch.setattr(KVCacheManager, "take_new_kind_of_state", lambda self: [],
+                        raising=False)
+    assert manager.stock.take_new_kind_of_state() == []
+    with pytest.raises(AttributeError, match="'take_new_kind_of_state'.*does not provide"):
+        manager.take_new_kind_of_state()
+    assert not hasattr(manager, "no_such_attribute")
+    # Hit statistics stay vLLM's own: the lookup the scheduler records lands in them.
+    prompt = list(range(3, 3 + 2 * BS + 1))
+    run_to_end(manager, request(hasher, "a", prompt))
+    req = request(hasher, "b", prompt)
+    manager.record_prefix_cache_stats(req, lookup(manager, req))
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, req.num_tokens, 2 * BS)
+    assert manager.make_prefix_cache_stats().requests == 0      # taken: a fresh one starts
+
+
 def test_connector_lookups_answer_from_the_tree(hasher):
     """The connector-side lookups the scheduler calls give what vLLM's manager gives."""
     prompt = list(range(3, 3 + 4 * BS + 3))

@@ -73,6 +73,7 @@ class MetricsSampler(threading.Thread):
         super().__init__(daemon=True)
         self.server, self.cap_s = server, cap_s
         self.peak = dict.fromkeys(self.GAUGES, 0.0)
+        self.series: list[tuple[float, dict]] = []     # (seconds since start, gauges)
         self.samples = 0
         self.timed_out = False
         self._halt = threading.Event()
@@ -89,6 +90,7 @@ class MetricsSampler(threading.Thread):
             except OSError:
                 continue
             self.samples += 1
+            self.series.append((time.monotonic() - t0, {g: m.get(g, 0.0) for g in self.GAUGES}))
             for g in self.GAUGES:
                 self.peak[g] = max(self.peak[g], m.get(g, 0.0))
 
@@ -100,7 +102,7 @@ class MetricsSampler(threading.Thread):
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
-def scrape(url: str, labels: bool = False) -> dict:
+def scrape(url: str, labels: bool = False, prefixes: tuple[str, ...] = ("vllm:",)) -> dict:
     """Prometheus text -> {name: value} summed over label sets (one engine: one set);
     with labels=True, {name: label-string} instead (for cache_config_info)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
@@ -108,7 +110,7 @@ def scrape(url: str, labels: bool = False) -> dict:
     out: dict = {}
     for line in text.splitlines():
         m = _METRIC_LINE.match(line)
-        if not m or not m.group(1).startswith("vllm:"):
+        if not m or not m.group(1).startswith(prefixes):
             continue
         if labels:
             out[m.group(1)] = m.group(2) or ""

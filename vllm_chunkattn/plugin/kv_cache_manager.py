@@ -3,7 +3,9 @@
 Prefix matching, caching and eviction go through `ChunkPrefixTree`; vLLM's block-hash map and
 free queue are never consulted on this path. Every method vLLM's scheduler calls is defined here
 (tests/test_kv_cache_manager.py checks the installed vLLM): a tree answer, an explicit delegation
-where vLLM's state is still the truth (hit statistics), or a clear refusal. The stock manager's
+to the wrapped stock manager where vLLM's state is still the truth (hit statistics), or a clear
+refusal; a KVCacheManager method vLLM calls that is missing here is a NotImplementedError naming
+it, never stock code running on state the tree does not fill. The stock manager's
 `BlockPool.blocks` serve as the `KVCacheBlock` id carriers `KVCacheBlocks` expects.
 
 Why a whole-manager swap (installed by `ChunkAttnScheduler`, see scheduler.py) rather than a
@@ -28,16 +30,47 @@ from ..tree import ChunkPrefixTree, TreeStats, _num_blocks_for
 from .namespace import request_namespace
 
 
-class ChunkTreeKVCacheManager(KVCacheManager):
-    """Built from the scheduler's stock manager (adopting its attributes: config, hit statistics
-    and the ones the scheduler reads directly); the tree owns every block id but the null block."""
+class ChunkTreeKVCacheManager:
+    """Wraps the scheduler's stock manager (composition: the stock one keeps vLLM's config and
+    hit statistics; its `BlockPool.blocks` carry block ids); the tree owns every block id but
+    the null block. Anything vLLM asks for beyond what is listed here is a clear error."""
+
+    # What vLLM's Scheduler and EngineCore read as attributes, taken from the stock manager at
+    # construction: configuration, and the coordinator / pool whose *shape* vLLM reads (groups,
+    # block sizes) while the tree, not their free lists, decides what is allocated.
+    STOCK_ATTRIBUTES = ("kv_cache_config", "max_model_len", "enable_caching", "log_stats",
+                        "watermark_blocks", "empty_kv_cache_blocks", "num_kv_cache_groups",
+                        "coordinator", "block_pool", "mamba_shared_prefix_checkpoint",
+                        "use_eagle", "enable_kv_cache_events")
 
     def __init__(self, stock: KVCacheManager, block_size: int):
-        self.__dict__.update(stock.__dict__)
+        self.stock = stock
+        for name in self.STOCK_ATTRIBUTES:
+            setattr(self, name, getattr(stock, name))
         self.block_size = block_size
         self.tree = ChunkPrefixTree(self.kv_cache_config.num_blocks, block_size)
         self._blocks = self.block_pool.blocks      # block id -> KVCacheBlock (id carrier only)
         self.num_cached_tokens_served = 0
+
+    def __getattr__(self, name: str):
+        # Only reached for names this class does not define. An AttributeError still (so that
+        # hasattr() works), but one that says what is going on when vLLM grew a new call.
+        stock = self.__dict__.get("stock")
+        if hasattr(KVCacheManager, name) or (stock is not None and name in stock.__dict__):
+            raise AttributeError(
+                f"vLLM asked the KV cache manager for {name!r}, which the chunk prefix tree "
+                f"manager (--attention-backend CUSTOM) does not provide: this vLLM is newer "
+                f"than the plugin supports, or the feature is refused at start-up", name=name,
+                obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}",
+                             name=name, obj=self)
+
+    @property
+    def prefix_cache_stats(self):
+        return self.stock.prefix_cache_stats     # vLLM's hit counters: the stock manager's
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.stock.prefix_cache_lookup_enabled(request)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -199,10 +232,10 @@ class ChunkTreeKVCacheManager(KVCacheManager):
     # -- hit statistics: vLLM's own counters (no block state), delegated explicitly --------------
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        super().record_prefix_cache_stats(request, num_hits)
+        self.stock.record_prefix_cache_stats(request, num_hits)
 
     def make_prefix_cache_stats(self):
-        return super().make_prefix_cache_stats()
+        return self.stock.make_prefix_cache_stats()
 
     # -- per-step drains: what vLLM's single-type managers hand the worker ----------------------
     # One full-attention group without zeroing is all the scheduler admits (scheduler.py), so
