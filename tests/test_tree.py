@@ -10,7 +10,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.tree import ChunkPrefixTree, SplitNamespace
+from vllm_chunkattn.tree import PENDING, ChunkPrefixTree, SplitNamespace
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 11             # vLLM's test pool: block 0 is the null block, 10 usable
@@ -208,6 +208,49 @@ def test_failed_allocation_leaves_every_refcount_unchanged():
     assert tree.fork("a", "a2") is None                 # no block left for the copied tail
     assert snapshot() == before and "a2" not in tree.seqs
     assert tree.fork("fill", "fill2") is None
+    tree.check_invariants()
+
+
+def test_pending_slots_are_never_matched_until_resolved():
+    """Async scheduling: a decode slot is allocated before its token is sampled."""
+    tree = make_tree()
+    prompt = tokens(BLOCK_SIZE + 2)
+    tree.add_sequence("a", prompt)
+    assert tree.append("a", [], num_pending=2) == []          # fills the tail: no new block
+    assert tree.num_tokens("a") == 2 * BLOCK_SIZE
+    sealed = tree.seqs["a"].chunks[-1]
+    assert sealed.token_ids[-2:] == (PENDING, PENDING) and not sealed.listed
+    assert len(tree.match_prefix(prompt[:BLOCK_SIZE] + [PENDING] * BLOCK_SIZE + [0])) == 1
+    with pytest.raises(AssertionError, match="resolve"):
+        tree.append("a", [7])                                 # known after pending: refused
+    [new_block] = tree.append("a", [], num_pending=1)         # the next step's slot, new block
+    tree.check_invariants()
+    tree.resolve("a", [50, 51])                               # step N's and N+1's tokens
+    tree.check_invariants()
+    assert sealed.listed and sealed.token_ids[-2:] == (50, 51)
+    full = prompt + [50, 51]
+    assert [c.block_id for c in tree.match_prefix(full + [0])] == tree.block_ids("a")[:2]
+    assert tree.seqs["a"].tail_token_ids == [PENDING] and tree.block_ids("a")[-1] == new_block
+    tree.resolve("a", [52])
+    assert tree.seqs["a"].tail_token_ids == [52] and tree.seqs["a"].num_pending == 0
+    tree.check_invariants()
+
+
+def test_resolving_a_duplicate_keeps_one_match_entry_and_release_frees_pending():
+    tree = make_tree()
+    tree.add_sequence("a", tokens(2 * BLOCK_SIZE))            # both chunks listed
+    tree.add_sequence("b", tokens(BLOCK_SIZE + 1))            # shares chunk 0
+    tree.append("b", [], num_pending=BLOCK_SIZE - 1)          # chunk 1 of b: all pending but one
+    tree.resolve("b", tokens(BLOCK_SIZE - 1, BLOCK_SIZE + 1))  # same content as a's chunk 1
+    b_chunk = tree.seqs["b"].chunks[1]
+    assert not b_chunk.listed and tree.seqs["a"].chunks[1].listed   # a duplicate stays unlisted
+    tree.check_invariants()
+    tree.add_sequence("c", tokens(BLOCK_SIZE))
+    tree.append("c", [], num_pending=3)
+    free_before = len(tree.free_block_ids)
+    tree.release("c")                                         # preempted with a pending slot
+    assert len(tree.free_block_ids) == free_before + 1
+    tree.release("b")
     tree.check_invariants()
 
 

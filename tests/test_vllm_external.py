@@ -23,6 +23,7 @@ VERSION = "0.32.0"
 SELECTION = [
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_async_scheduler.py",
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/core/test_priority_preemption_bug.py",
     "tests/v1/core/test_priority_scheduler_random.py",

@@ -31,7 +31,7 @@ VERSIONS = ["installed", "0.33.0"]
 # Our class -> (vLLM file, vLLM base class) whose methods it overrides.
 OVERRIDES = {
     ChunkTreeKVCacheManager: ("v1/core/kv_cache_manager.py", "KVCacheManager"),
-    scheduler.ChunkAttnScheduler: ("v1/core/sched/scheduler.py", "Scheduler"),
+    scheduler.ChunkTreeScheduling: ("v1/core/sched/scheduler.py", "Scheduler"),
     backend.ChunkAttnBackend: ("v1/attention/backend.py", "AttentionBackend"),
     backend.ChunkAttnMetadataBuilder: ("v1/attention/backend.py", "AttentionMetadataBuilder"),
     backend.ChunkAttnImpl: ("v1/attention/backend.py", "AttentionImpl"),
@@ -165,7 +165,7 @@ def test_what_the_scheduler_reads_and_we_override_still_exists(vllm_root):
     assert sorted(read - manager - set(ChunkTreeKVCacheManager.__dict__)) == []
     sched = self_attributes(find_class(parse(vllm_root, "v1/core/sched/scheduler.py"),
                                        "Scheduler"))
-    overridden = {n for n, v in vars(scheduler.ChunkAttnScheduler).items()
+    overridden = {n for n, v in vars(scheduler.ChunkTreeScheduling).items()
                   if inspect.isfunction(v) and not n.startswith("_order")}
     assert sorted((overridden | set(SCHEDULER_STATE)) - sched) == []
 

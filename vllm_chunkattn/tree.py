@@ -12,6 +12,10 @@ from collections.abc import Hashable, Sequence
 
 
 SharedNode = tuple[tuple[int, ...], tuple[int, ...]]   # (block_ids, batch rows holding them)
+# A slot allocated for a token not sampled yet (async scheduling allocates step N+1's slot before
+# step N's token is known). Pending tokens are always a sequence's last ones; a chunk holding one
+# is never listed, so nothing can match it until `resolve` writes the real ids.
+PENDING = None
 
 
 def _num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -73,6 +77,7 @@ class _SequenceBlocks:
     chunks: list[Chunk]                     # full chunks, root to leaf; chunks[i].parent is chunks[i-1]
     tail_block_id: int | None = None        # private partial block; None when the length is block-aligned
     tail_token_ids: list[int] = field(default_factory=list)
+    num_pending: int = 0                    # trailing tokens whose ids are not known yet
 
 
 class ChunkPrefixTree:
@@ -140,17 +145,48 @@ class ChunkPrefixTree:
 
     insert = add_sequence                   # SGLang's verb
 
-    def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[int] | None:
-        """Append decoded tokens. Returns the newly allocated block ids (one per block boundary
-        crossed), or None, with no effect, when the pool cannot hold them."""
+    def append(self, seq_id: Hashable, token_ids: Sequence[int], num_pending: int = 0
+               ) -> list[int] | None:
+        """Append decoded tokens, then `num_pending` slots for tokens not sampled yet. Returns the
+        newly allocated block ids (one per block boundary crossed), or None, with no effect, when
+        the pool cannot hold them."""
         seq = self.seqs[seq_id]
-        num_new_blocks = (_num_blocks_for(len(seq.tail_token_ids) + len(token_ids), self.block_size)
+        assert not (seq.num_pending and token_ids), "known tokens after pending ones: resolve"
+        num_tokens = len(token_ids) + num_pending
+        num_new_blocks = (_num_blocks_for(len(seq.tail_token_ids) + num_tokens, self.block_size)
                           - (seq.tail_block_id is not None))
         if not self.can_allocate(num_new_blocks):
             return None
         new_block_ids = [self._allocate_block() for _ in range(num_new_blocks)]
-        self._fill(seq, token_ids, new_block_ids)
+        seq.num_pending += num_pending
+        self._fill(seq, list(token_ids) + [PENDING] * num_pending, new_block_ids)
         return new_block_ids
+
+    def resolve(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """The first len(token_ids) pending tokens were sampled: write their ids. Chunks that
+        become fully known are listed (matchable) as if they had been filled with them."""
+        seq = self.seqs[seq_id]
+        assert len(token_ids) <= seq.num_pending, (len(token_ids), seq.num_pending)
+        if not token_ids:
+            return
+        bs = self.block_size
+        first = self.num_tokens(seq_id) - seq.num_pending
+        seq.num_pending -= len(token_ids)
+        tail_start = len(seq.chunks) * bs
+        for index in range(first // bs, len(seq.chunks)):   # sealed chunks holding pending ones
+            chunk = seq.chunks[index]
+            lo, hi = max(first, index * bs), min(first + len(token_ids), (index + 1) * bs)
+            if lo >= hi:
+                break
+            ids = list(chunk.token_ids)
+            ids[lo - index * bs:hi - index * bs] = token_ids[lo - first:hi - first]
+            chunk.token_ids = tuple(ids)
+            parent = chunk.parent
+            if PENDING not in chunk.token_ids and parent.listed and chunk.key not in parent.children:
+                parent.children[chunk.key] = chunk
+                chunk.listed = True
+        for pos in range(max(first, tail_start), first + len(token_ids)):
+            seq.tail_token_ids[pos - tail_start] = token_ids[pos - first]
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> list[tuple[int, int]] | None:
         """Start child_seq_id as a copy of parent_seq_id (n > 1, beam search). Full chunks are shared;
@@ -158,6 +194,7 @@ class ChunkPrefixTree:
         or None, with no effect, when no block is left for the tail."""
         parent = self.seqs[parent_seq_id]
         assert child_seq_id not in self.seqs, child_seq_id
+        assert not parent.num_pending, "fork a sequence whose tokens are all known"
         has_tail = parent.tail_block_id is not None
         if has_tail and not self.can_allocate(1):
             return None
@@ -277,6 +314,9 @@ class ChunkPrefixTree:
                 expected_refs[chunk] = expected_refs.get(chunk, 0) + 1
                 parent = chunk
             assert len(seq.tail_token_ids) < self.block_size
+            tokens = [t for chunk in seq.chunks for t in chunk.token_ids] + seq.tail_token_ids
+            known = len(tokens) - seq.num_pending
+            assert PENDING not in tokens[:known] and tokens[known:] == [PENDING] * seq.num_pending
             assert (seq.tail_block_id is None) == (not seq.tail_token_ids), seq_id
             if seq.tail_block_id is not None:
                 claim(seq.tail_block_id, ("tail", seq_id))
@@ -292,6 +332,7 @@ class ChunkPrefixTree:
             assert chunk.ref_count == expected_refs.get(chunk, 0), f"chunk {chunk.block_id} ref_count"
             assert chunk.listed == (chunk in listed_set), f"chunk {chunk.block_id} listed flag"
             assert chunk.listed or chunk.ref_count > 0, f"unlisted chunk {chunk.block_id} not freed"
+            assert not (chunk.listed and PENDING in chunk.token_ids), "pending token listed"
             claim(chunk.block_id, chunk)
         cached = [chunk for chunk in listed if chunk.ref_count == 0]
         assert self.num_cached_blocks == len(cached)
@@ -333,7 +374,7 @@ class ChunkPrefixTree:
         parent = seq.chunks[-1] if seq.chunks else self.root
         namespace = chunk_namespace(seq.namespace, len(seq.chunks), self.block_size)
         chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), namespace, parent, ref_count=1)
-        if parent.listed and chunk.key not in parent.children:
+        if parent.listed and chunk.key not in parent.children and PENDING not in chunk.token_ids:
             parent.children[chunk.key] = chunk
             chunk.listed = True
         seq.chunks.append(chunk)

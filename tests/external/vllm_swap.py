@@ -3,7 +3,8 @@ vLLM's KV cache manager and attention backend. tests/test_vllm_external.py loads
 subprocess on the sources tests/external/fetch_vllm_tests.sh fetched.
 
 - Every `KVCacheManager(...)` vLLM's tests or its Scheduler build is a `ChunkTreeKVCacheManager`
-  over it; `Scheduler` is our `ChunkAttnScheduler`; every scheduler first applies the plugin's
+  over it; `Scheduler` / `AsyncScheduler` are our `ChunkAttnScheduler` /
+  `ChunkAttnAsyncScheduler`; every scheduler first applies the plugin's
   start-up refusals, so a configuration the plugin never runs fails as it would at start-up.
 - The attention-backend harness compares CPU_ATTN and CUSTOM with its SDPA reference.
 - expected_failures.txt lists every test that does not simply pass, with its category and
@@ -50,12 +51,13 @@ if "VLLM_MODEL_REDIRECT_PATH" not in os.environ:
 
 def _install_swap() -> None:
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
+    import vllm.v1.core.sched.async_scheduler as async_module
     import vllm.v1.core.sched.scheduler as scheduler_module
 
     from vllm_chunkattn.plugin import register
     from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
-    from vllm_chunkattn.plugin.scheduler import (ChunkAttnScheduler, _refuse_unsupported,
-                                                 kv_cache_config_refusals)
+    from vllm_chunkattn.plugin.scheduler import (ChunkAttnAsyncScheduler, ChunkAttnScheduler,
+                                                 _refuse_unsupported, kv_cache_config_refusals)
 
     register()                           # CUSTOM -> ChunkAttnBackend, as the entry point does
     from vllm_chunkattn.plugin.backend import ChunkAttnMetadataBuilder
@@ -98,6 +100,7 @@ def _install_swap() -> None:
     kv_cache_manager.KVCacheManager = TreeKVCacheManager
     scheduler_module.KVCacheManager = TreeKVCacheManager
     scheduler_module.Scheduler = ChunkAttnScheduler
+    async_module.AsyncScheduler = ChunkAttnAsyncScheduler
 
 
 def _attention_backends():

@@ -11,6 +11,7 @@ import os
 
 BACKEND_PATH = "vllm_chunkattn.plugin.backend.ChunkAttnBackend"
 SCHEDULER_PATH = "vllm_chunkattn.plugin.scheduler.ChunkAttnScheduler"
+ASYNC_SCHEDULER_PATH = "vllm_chunkattn.plugin.scheduler.ChunkAttnAsyncScheduler"
 # A child of vLLM's logger: our lines get vLLM's format and honour its logging config.
 logger = logging.getLogger("vllm.chunkattn")
 _registered = False
@@ -71,8 +72,8 @@ def _use_tree_scheduler_with_custom_backend() -> None:
     """With --attention-backend CUSTOM alone, the chunk prefix tree becomes the KV cache manager
     (plugin/scheduler.py). The platform's check_and_update_config is where vLLM itself settles
     scheduler options (VllmConfig.__post_init__ picks its diffusion scheduler right after it);
-    it runs in the process that builds the config, which then ships it to EngineCore. The tree
-    needs token ids when slots are allocated, so async scheduling is turned off with it.
+    it runs in the process that builds the config, which then ships it to EngineCore. Async
+    scheduling stays as vLLM set it (on by default on GPU): the tree's async scheduler class.
     That process is also the API server, whose /metrics then shows ours (plugin/prometheus.py)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -92,15 +93,11 @@ def _use_tree_scheduler_with_custom_backend() -> None:
         if os.environ.get("CHUNKATTN_TREE_KV_MANAGER", "1") == "0":   # A/B: vLLM's manager
             return
         sched = vllm_config.scheduler_config
-        if sched.scheduler_cls not in (None, SCHEDULER_PATH):
+        if sched.scheduler_cls not in (None, SCHEDULER_PATH, ASYNC_SCHEDULER_PATH):
             logger.warning("--scheduler-cls %s given: the chunk prefix tree is not the KV cache "
                            "manager (vLLM's block-hash prefix cache is)", sched.scheduler_cls)
             return
-        if sched.async_scheduling:
-            logger.info("CUSTOM backend: async scheduling off (the chunk prefix tree allocates "
-                        "slots for known tokens only)")
-            sched.async_scheduling = False
-        sched.scheduler_cls = SCHEDULER_PATH
+        sched.scheduler_cls = ASYNC_SCHEDULER_PATH if sched.async_scheduling else SCHEDULER_PATH
 
     check_and_update_config._chunkattn_wrapped = True
     platform_cls.check_and_update_config = classmethod(check_and_update_config)

@@ -18,8 +18,10 @@ needed anyway for prefix-aware admission.
 Token ids are needed to grow the tree, so tokens are added when their slots are allocated:
 on admission the first scheduled chunk (`add_sequence`), then each later chunk or decode token
 (`append`). Like vLLM, full blocks become matchable when scheduled (their KV is written in that
-same step before any reader in the step attends to it). Lookahead slots (speculative decoding,
-async scheduling) have no tokens yet and are refused when the engine starts.
+same step before any reader in the step attends to it). Async scheduling allocates a decode
+slot before the token that goes in it is sampled: the tree holds it as pending (never matchable)
+and writes the id when vLLM's `cache_blocks` reports the step's output, or at the next
+allocation, whichever comes first. Speculative lookahead slots are refused at start-up.
 """
 from __future__ import annotations
 
@@ -151,6 +153,7 @@ class ChunkTreeKVCacheManager:
         if rid not in tree.seqs:
             return self._admit(request, target, num_new_computed_tokens, full_sequence_must_fit,
                                reserved_blocks, has_scheduled_reqs)
+        self._resolve(request)
         have = tree.num_tokens(rid)
         if target <= have:
             return self.empty_kv_cache_blocks
@@ -158,7 +161,9 @@ class ChunkTreeKVCacheManager:
                 _num_blocks_for(target, self.block_size) - len(tree.block_ids(rid))
                 + reserved_blocks):
             return None
-        new_block_ids = tree.append(rid, request.all_token_ids[have:target])
+        known = request.num_tokens              # beyond it: slots for tokens not sampled yet
+        new_block_ids = tree.append(rid, request.all_token_ids[have:min(target, known)],
+                                    num_pending=max(0, target - max(have, known)))
         if new_block_ids is None:
             return None
         if not new_block_ids:
@@ -190,10 +195,16 @@ class ChunkTreeKVCacheManager:
             need = _num_blocks_for(target, bs) - len(matched) + watermark + reserved_blocks
             if not tree.can_allocate(need, matched):
                 return None
-        shared = tree.add_sequence(rid, token_ids[:target], namespace,
+        known = min(target, request.num_tokens)     # beyond it: slots for unsampled tokens
+        if target > known and not tree.can_allocate(_num_blocks_for(target, bs) - len(matched),
+                                                    matched):
+            return None
+        shared = tree.add_sequence(rid, token_ids[:known], namespace,
                                    max_shared_tokens=num_hit_tokens)
         if shared is None:
             return None
+        if target > known:
+            tree.append(rid, [], num_pending=target - known)
         assert shared == num_hit_tokens, (shared, num_hit_tokens)
         self.num_cached_tokens_served += shared
         blocks = self._blocks
@@ -209,7 +220,18 @@ class ChunkTreeKVCacheManager:
         return []
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        pass                                # chunks are cached as their tokens are allocated
+        # Chunks are cached as their tokens are allocated. vLLM's async scheduler calls this
+        # when a step's sampled tokens arrive: the moment to write them into pending slots.
+        if request.request_id in self.tree.seqs:
+            self._resolve(request)
+
+    def _resolve(self, request: Request) -> None:
+        """Write the ids of sampled tokens into the slots the tree holds for them."""
+        tree, rid = self.tree, request.request_id
+        num_pending = tree.seqs[rid].num_pending
+        if num_pending:
+            first = tree.num_tokens(rid) - num_pending
+            tree.resolve(rid, request.all_token_ids[first:first + num_pending])
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:

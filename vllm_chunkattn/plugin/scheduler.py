@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (KVCacheSpecKind, get_kv_cache_spec_kind,
@@ -28,7 +29,9 @@ from .metrics import TreeMetrics
 from .namespace import request_namespace
 
 
-class ChunkAttnScheduler(Scheduler):
+class ChunkTreeScheduling:
+    """What the tree adds to vLLM's scheduler, sync or async (the two classes below)."""
+
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         _refuse_unsupported(vllm_config, kv_cache_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -109,15 +112,22 @@ class ChunkAttnScheduler(Scheduler):
         self.waiting.extend(rest)
 
 
+class ChunkAttnScheduler(ChunkTreeScheduling, Scheduler):
+    pass
+
+
+class ChunkAttnAsyncScheduler(ChunkTreeScheduling, AsyncScheduler):
+    """vLLM's default on GPU: step N+1 is scheduled while step N runs; the tree holds the slot
+    of each token not sampled yet as pending (kv_cache_manager.py)."""
+
+
 def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
-    """The tree needs every slot's token id when the slot is allocated, one full-attention KV
-    cache group, and no external KV (connectors) or KV events; say so at start-up rather than
-    fail mid-serving."""
+    """The tree needs every slot's token id by the time the step's output arrives (so no
+    speculative lookahead), one full-attention KV cache group, and no external KV (connectors)
+    or KV events; say so at start-up rather than fail mid-serving."""
     reasons = kv_cache_config_refusals(kv_cache_config)
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding (lookahead slots have no tokens yet)")
-    if vllm_config.scheduler_config.async_scheduling:
-        reasons.append("async scheduling")
     if vllm_config.kv_transfer_config is not None:
         reasons.append("KV connectors")
     if vllm_config.kv_events_config is not None and \

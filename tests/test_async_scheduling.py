@@ -1,0 +1,131 @@
+"""Async scheduling with the chunk prefix tree: vLLM's AsyncScheduler (async_scheduling set on the
+scheduler config directly; vLLM's CPU platform would turn it off) schedules step N+1 before step
+N's sampled tokens arrive, so the tree holds those slots as pending and writes the ids later.
+Driven like EngineCore's batch queue, side by side with stock vLLM's AsyncScheduler and its own
+KVCacheManager, on the same sampled tokens: every step schedules the same tokens, every request
+gets the same output, the tree's blocks hold exactly each request's tokens, and a follow-up turn
+(prompt = an earlier prompt + its output) hits the same prefix in both."""
+import itertools
+from collections import deque
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_chunkattn.plugin.scheduler import ChunkAttnAsyncScheduler
+from vllm_chunkattn.tree import PENDING
+from vllm_runs import tiny_model
+
+pytestmark = pytest.mark.vllm
+BS, NUM_BLOCKS = 16, 48
+
+
+def make_scheduler(cls, monkeypatch):
+    monkeypatch.setenv("CHUNKATTN_PREFIX_AWARE_SCHEDULING", "0")   # FCFS in both: same order
+    monkeypatch.setenv("CHUNKATTN_DEBUG_TREE", "1")                # invariants every step
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="float32"),
+                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+                        scheduler_config=SchedulerConfig(max_num_batched_tokens=256,
+                                                         max_num_seqs=16, max_model_len=1024,
+                                                         is_encoder_decoder=False))
+    config.scheduler_config.async_scheduling = True
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return cls(config, kv, StructuredOutputManager(config), block_size=BS)
+
+
+def sampled(request: Request) -> int:
+    """A deterministic 'model': the next token from the request's tokens so far."""
+    return 3 + (hash((request.request_id, request.num_tokens)) % 1000)
+
+
+def run(scheduler, waves: list[list[tuple[str, list[int], int]]]) -> dict:
+    """Batch-queue loop (two steps in flight); each wave's requests arrive when the previous
+    wave has finished. Returns per-step scheduled tokens and every request's output tokens."""
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BS, hash_fn)
+    steps, outputs, requests, hits = [], {}, {}, {}
+    tree = getattr(scheduler, "tree", None)
+
+    def step_output(out):
+        ids = list(out.num_scheduled_tokens)
+        tokens = []
+        for rid in ids:
+            r = requests[rid]
+            done = r.num_computed_tokens + r.num_output_placeholders >= r.num_tokens
+            tokens.append([sampled(r)] if done else [])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=tokens, logprobs=None,
+                                 prompt_logprobs_dict={}, pooler_output=[])
+
+    for wave in waves:
+        for rid, prompt, max_tokens in wave:
+            requests[rid] = Request(rid, prompt, SamplingParams(max_tokens=max_tokens,
+                                                                ignore_eos=True),
+                                    None, block_hasher=hasher)
+            scheduler.add_request(requests[rid])
+        in_flight = deque([scheduler.schedule(), scheduler.schedule()])
+        while in_flight:
+            out = in_flight.popleft()
+            steps.append(dict(out.num_scheduled_tokens))
+            for new in out.scheduled_new_reqs:       # admitted: its prefix hit, in tokens
+                hits.setdefault(new.req_id, new.num_computed_tokens)
+            scheduler.update_from_output(out, step_output(out))
+            if tree is not None:
+                check_tree_holds_request_tokens(tree, requests)
+            nxt = scheduler.schedule()
+            if nxt.num_scheduled_tokens:
+                in_flight.append(nxt)
+        assert scheduler.get_num_unfinished_requests() == 0
+    for rid, r in requests.items():
+        outputs[rid] = list(r.output_token_ids)
+    return {"steps": steps, "outputs": outputs, "hits": hits}
+
+
+def check_tree_holds_request_tokens(tree, requests) -> None:
+    """Every live sequence's slots: the request's known tokens, then only pending ones."""
+    for rid, seq in tree.seqs.items():
+        held = [t for c in seq.chunks for t in c.token_ids] + seq.tail_token_ids
+        known = len(held) - seq.num_pending
+        assert held[:known] == requests[rid].all_token_ids[:known], rid
+        assert held[known:] == [PENDING] * seq.num_pending
+
+
+def test_async_scheduling_with_the_tree_matches_stock(monkeypatch):
+    rng = itertools.count(7)
+    system = [3 + next(rng) % 900 for _ in range(3 * BS + 5)]
+    first = [(f"a{i}", system + [3 + (i * 31 + k) % 900 for k in range(9 + i)], 20 + 3 * i)
+             for i in range(6)]
+    results = {}
+    for name, cls in (("stock", AsyncScheduler), ("tree", ChunkAttnAsyncScheduler)):
+        scheduler = make_scheduler(cls, monkeypatch)
+        r1 = run(scheduler, [first])
+        # Second turn: each prompt + its output + a new question; its prefix includes tokens
+        # that were pending when their slots were allocated.
+        second = [(f"b{i}", prompt + r1["outputs"][rid] + [5, 6, 7], 8)
+                  for i, (rid, prompt, _) in enumerate(first)]
+        r2 = run(scheduler, [second])
+        results[name] = (r1, r2)
+        if name == "tree":
+            assert scheduler.tree_metrics.invariant_checks > 0
+            assert scheduler.tree.stats().num_in_use_blocks == 0
+    (s1, s2), (t1, t2) = results["stock"], results["tree"]
+    assert t1["steps"] == s1["steps"] and t2["steps"] == s2["steps"]
+    assert t1["outputs"] == s1["outputs"] and t2["outputs"] == s2["outputs"]
+    assert t2["hits"] == s2["hits"]
+    # The second turn's hits reach into the first turn's decoded (once pending) tokens.
+    assert all(t2["hits"][f"b{i}"] > len(first[i][1]) for i in range(len(first))), t2["hits"]
