@@ -5,7 +5,6 @@ Driven like EngineCore's batch queue, side by side with stock vLLM's AsyncSchedu
 KVCacheManager, on the same sampled tokens: every step schedules the same tokens, every request
 gets the same output, the tree's blocks hold exactly each request's tokens, and a follow-up turn
 (prompt = an earlier prompt + its output) hits the same prefix in both."""
-import itertools
 from collections import deque
 
 import pytest
@@ -106,8 +105,7 @@ def check_tree_holds_request_tokens(tree, requests) -> None:
 
 
 def test_async_scheduling_with_the_tree_matches_stock(monkeypatch):
-    rng = itertools.count(7)
-    system = [3 + next(rng) % 900 for _ in range(3 * BS + 5)]
+    system = [3 + (7 + k) % 900 for k in range(3 * BS + 5)]
     first = [(f"a{i}", system + [3 + (i * 31 + k) % 900 for k in range(9 + i)], 20 + 3 * i)
              for i in range(6)]
     results = {}

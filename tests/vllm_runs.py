@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from vllm_chunkattn.serve import KERNEL_IN_USE
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "tiny-llama"
-# The builder's start-up line, once per process that runs attention (each TP rank).
-_IN_USE = re.compile(r"ChunkAttention backend \(CUSTOM\) in use: TPP decode kernel=([\w-]+)")
 
 
 def tiny_model() -> Path:
@@ -45,7 +44,7 @@ def assert_native_kernel(log, device: str = "cpu", ranks: int | None = None) -> 
     PyTorch reference (or to vLLM's backend) fails. `log`: text or lines of the run's output;
     `ranks`: how many processes must have announced it (one per TP rank)."""
     text = log if isinstance(log, str) else "\n".join(log)
-    kernels = _IN_USE.findall(text)
+    kernels = KERNEL_IN_USE.findall(text)
     assert kernels, "no 'ChunkAttention backend (CUSTOM) in use' line: CUSTOM did not run"
     assert set(kernels) == {f"native-{device}"}, f"TPP decode kernels in use: {kernels}"
     assert ranks is None or len(kernels) == ranks, f"{len(kernels)} ranks ran CUSTOM, not {ranks}"
@@ -53,4 +52,4 @@ def assert_native_kernel(log, device: str = "cpu", ranks: int | None = None) -> 
 
 def assert_not_custom(log: str) -> None:
     """The stock side of an A/B really ran vLLM's own backend."""
-    assert not _IN_USE.search(log), "the stock run used CUSTOM"
+    assert not KERNEL_IN_USE.search(log), "the stock run used CUSTOM"

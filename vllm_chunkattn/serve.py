@@ -39,6 +39,11 @@ def port_is_busy(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+# The line plugin/backend.py logs once per process that runs attention (each TP rank): which
+# TPP decode kernel serves CUSTOM (tests and benchmarks assert it was the native one).
+KERNEL_IN_USE = re.compile(r"ChunkAttention backend \(CUSTOM\) in use: TPP decode kernel=([\w-]+)")
+
+
 class ServerError(RuntimeError):
     pass
 

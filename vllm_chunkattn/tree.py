@@ -124,20 +124,22 @@ class ChunkPrefixTree:
         return num_blocks <= len(self.free_block_ids) + num_reclaimable
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], namespace: Hashable = None,
-                     max_shared_tokens: int | None = None) -> int | None:
+                     max_shared_tokens: int | None = None, num_pending: int = 0) -> int | None:
         """Admit a sequence: share its longest cached prefix (at most max_shared_tokens), allocate
-        blocks for the rest. Returns the number of shared (already computed) tokens, or None, with
-        no effect at all, when the pool cannot hold it."""
+        blocks for the rest and for `num_pending` slots of tokens not sampled yet. Returns the
+        number of shared (already computed) tokens, or None, with no effect at all, when the pool
+        cannot hold it."""
         assert seq_id not in self.seqs and len(token_ids) > 0, seq_id
         matched = self.match_prefix(token_ids, namespace, max_shared_tokens)
         num_shared_tokens = len(matched) * self.block_size
-        num_new_blocks = _num_blocks_for(len(token_ids), self.block_size) - len(matched)
+        num_new_blocks = (_num_blocks_for(len(token_ids) + num_pending, self.block_size)
+                          - len(matched))
         if not self.can_allocate(num_new_blocks, matched):
             return None
         for chunk in matched:               # pin before allocating: the allocation may evict
             self._pin(chunk)
-        seq = self.seqs[seq_id] = _SequenceBlocks(namespace, matched)
-        self._fill(seq, token_ids[num_shared_tokens:],
+        seq = self.seqs[seq_id] = _SequenceBlocks(namespace, matched, num_pending=num_pending)
+        self._fill(seq, list(token_ids[num_shared_tokens:]) + [PENDING] * num_pending,
                    [self._allocate_block() for _ in range(num_new_blocks)])
         self.num_hit_tokens += num_shared_tokens
         self.num_query_tokens += len(token_ids)
@@ -181,10 +183,7 @@ class ChunkPrefixTree:
             ids = list(chunk.token_ids)
             ids[lo - index * bs:hi - index * bs] = token_ids[lo - first:hi - first]
             chunk.token_ids = tuple(ids)
-            parent = chunk.parent
-            if PENDING not in chunk.token_ids and parent.listed and chunk.key not in parent.children:
-                parent.children[chunk.key] = chunk
-                chunk.listed = True
+            self._list_if_new(chunk)
         for pos in range(max(first, tail_start), first + len(token_ids)):
             seq.tail_token_ids[pos - tail_start] = token_ids[pos - first]
 
@@ -374,11 +373,17 @@ class ChunkPrefixTree:
         parent = seq.chunks[-1] if seq.chunks else self.root
         namespace = chunk_namespace(seq.namespace, len(seq.chunks), self.block_size)
         chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), namespace, parent, ref_count=1)
+        self._list_if_new(chunk)
+        seq.chunks.append(chunk)
+        seq.tail_block_id, seq.tail_token_ids = None, []
+
+    def _list_if_new(self, chunk: Chunk) -> None:
+        """Make a full chunk matchable, unless its parent is not, a sibling already holds its
+        content (a duplicate), or a token of it is still pending."""
+        parent = chunk.parent
         if parent.listed and chunk.key not in parent.children and PENDING not in chunk.token_ids:
             parent.children[chunk.key] = chunk
             chunk.listed = True
-        seq.chunks.append(chunk)
-        seq.tail_block_id, seq.tail_token_ids = None, []
 
     def _pin(self, chunk: Chunk) -> None:
         if chunk.ref_count == 0:            # a cached chunk comes back into use

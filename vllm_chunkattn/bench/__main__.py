@@ -9,8 +9,8 @@ COMMANDS = {
     "ab": "vllm_chunkattn.bench.ab",           # vllm bench serve: stock vs --attention-backend CUSTOM
     "offline": "vllm_chunkattn.bench.offline",  # LLM.generate decode tok/s: stock vs CUSTOM
     "ablation": "vllm_chunkattn.bench.ablation",  # serving: CUSTOM with each suspect switched off
-    "soak": "vllm_chunkattn.bench.soak",
-    "step": "vllm_chunkattn.bench.step_profile",  # one decode step: in-process vs multiprocess engine       # CUSTOM server under faults, then checked vs stock
+    "soak": "vllm_chunkattn.bench.soak",       # CUSTOM server under faults, then checked vs stock
+    "step": "vllm_chunkattn.bench.step_profile",  # one decode step: in-process vs multiprocess engine
 }
 
 

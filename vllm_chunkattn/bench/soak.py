@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import shlex
 import sys
 import tempfile
@@ -30,14 +29,13 @@ from pathlib import Path
 from vllm_chunkattn.bench import provenance
 from vllm_chunkattn.bench.ab import MetricsSampler, healthy, log, post, scrape
 from vllm_chunkattn.bench.soak_workload import SERVED_NAME, SoakRequest, make_requests
-from vllm_chunkattn.serve import ServerProcess
+from vllm_chunkattn.serve import KERNEL_IN_USE, ServerProcess
 
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 1024
 SERVER_FLAGS = ["--served-model-name", SERVED_NAME, "--dtype", "float32",
                 "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
                 "--enforce-eager"]
 CUSTOM_ENV = {"CHUNKATTN_DEBUG_TREE": "1", "CHUNKATTN_STATS_INTERVAL_S": "1"}
-_KERNEL = re.compile(r"ChunkAttention backend \(CUSTOM\) in use: TPP decode kernel=([\w-]+)")
 
 
 async def send(session, url: str, req: SoakRequest, t0: float, timeout_s: float) -> None:
@@ -216,7 +214,7 @@ def main(argv=None) -> int:
             sampler.stop()
         load_s = time.monotonic() - t0
         state = final_state(server, stats_file) if healthy(server) else {"alive": False}
-    kernels = set(_KERNEL.findall(server_log.read_text()))
+    kernels = set(KERNEL_IN_USE.findall(server_log.read_text()))
     outcomes = {r.index: outcome(r) for r in requests}
     greedy = [r for r in requests if r.greedy and outcomes[r.index] == "ok"]
     log(f"soak: load done in {load_s:.0f}s; stock answers {len(greedy)} greedy requests")

@@ -118,7 +118,7 @@ def write_report(rows, a, command, load_before) -> None:
             st, cu = by[(engine, "stock", s)], by[(engine, "custom", s)]
             pct = (lambda r: "–" if r["attention_share"] is None
                    else f"{100 * r['attention_share']:.0f}")
-            base_s, base_c = by[(engine, "stock", shared[0])], by[(engine, "custom", shared[0])]
+            base_s = by[(engine, "stock", shared[0])]
             cost_s = st["step_ms"] - base_s["step_ms"]
             cost_c = cu["step_ms"] - base_s["step_ms"]
             removed = (cost_s - cost_c) / cost_s if s != shared[0] and cost_s > 0 else None

@@ -4,7 +4,7 @@ Prefix matching, caching and eviction go through `ChunkPrefixTree`; vLLM's block
 free queue are never consulted on this path. Every method vLLM's scheduler calls is defined here
 (tests/test_kv_cache_manager.py checks the installed vLLM): a tree answer, an explicit delegation
 to the wrapped stock manager where vLLM's state is still the truth (hit statistics), or a clear
-refusal; a KVCacheManager method vLLM calls that is missing here is a NotImplementedError naming
+refusal; a KVCacheManager method vLLM calls that is missing here is an AttributeError naming
 it, never stock code running on state the tree does not fill. The stock manager's
 `BlockPool.blocks` serve as the `KVCacheBlock` id carriers `KVCacheBlocks` expects.
 
@@ -196,15 +196,10 @@ class ChunkTreeKVCacheManager:
             if not tree.can_allocate(need, matched):
                 return None
         known = min(target, request.num_tokens)     # beyond it: slots for unsampled tokens
-        if target > known and not tree.can_allocate(_num_blocks_for(target, bs) - len(matched),
-                                                    matched):
-            return None
         shared = tree.add_sequence(rid, token_ids[:known], namespace,
-                                   max_shared_tokens=num_hit_tokens)
+                                   max_shared_tokens=num_hit_tokens, num_pending=target - known)
         if shared is None:
             return None
-        if target > known:
-            tree.append(rid, [], num_pending=target - known)
         assert shared == num_hit_tokens, (shared, num_hit_tokens)
         self.num_cached_tokens_served += shared
         blocks = self._blocks
