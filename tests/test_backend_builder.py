@@ -120,6 +120,81 @@ def test_decode_plan_comes_from_host_copies_only(vllm_config):
     assert md.decode_block_table.is_meta and md.decode_seq_lens.is_meta   # handed on untouched
 
 
+def _decode_metadata(table: torch.Tensor, seq_lens: torch.Tensor) -> CommonAttentionMetadata:
+    n = table.shape[0]
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=n,
+        num_actual_tokens=n, max_query_len=1, max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table, slot_mapping=torch.full((n,), -1, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq_lens.clone())
+
+
+def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm_config):
+    """#9 CUDA graphs: the builder declares uniform single-token decode graphs. A batch size it
+    was captured at (build_for_cudagraph_capture, on vLLM's dummy batch: seq_len 1, null
+    blocks) then gets capacity-mode plans: every tensor the captured kernel call points at (plan,
+    workspace, vLLM's block table and seq_lens) is the same in every later step, whatever the
+    tree, and the padded plan is still exact. Other sizes and mixed batches get exact plans."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_chunkattn.ops.reference import dense_decode_oracle, tpp_decode_reference
+    from vllm_chunkattn.plugin.sharing_stats import SHARING_STATS
+    from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+    assert (backend.ChunkAttnBackend.get_builder_cls()._cudagraph_support
+            == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    n, width = 12, 16
+    table, seq_lens = torch.zeros(n, width, dtype=torch.int32), torch.ones(n, dtype=torch.int32)
+    builder = make_builder(vllm_config)
+    steps = SHARING_STATS.decode_steps
+    with set_current_vllm_config(vllm_config):
+        captured = builder.build_for_cudagraph_capture(_decode_metadata(table, seq_lens))
+    assert SHARING_STATS.decode_steps == steps            # a dummy batch is not a served step
+    held = [t.data_ptr() for t in captured.decode.plan_args]
+    for seed, spec in ((1, "system_prompts"), (2, "deep_tree")):
+        b = random_tree_batch(seed, **TREE_SPECS[spec], max_seqs=n - 2, block_size=BS,
+                              num_heads=8, num_kv_heads=2)
+        rows = b.block_table.shape[0]
+        table.zero_()                                     # vLLM's persistent rows, in place
+        table[:rows, :b.block_table.shape[1]] = b.block_table
+        seq_lens.zero_()
+        seq_lens[:rows] = b.seq_lens
+        with set_current_vllm_config(vllm_config):
+            md = builder.build(0, _decode_metadata(table, seq_lens))
+        assert [t.data_ptr() for t in md.decode.plan_args] == held
+        assert md.plan.num_partials == 4 * n and md.plan.num_nodes == n - 1   # padded
+        out = tpp_decode_reference(b.query, b.key_cache, b.value_cache, table[:rows],
+                                   seq_lens[:rows], _rows(md.plan, rows), b.scale)
+        want, _ = dense_decode_oracle(b.query, b.key_cache, b.value_cache, b.block_table,
+                                      b.seq_lens, b.scale)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert SHARING_STATS.decode_steps == steps + 2
+    with set_current_vllm_config(vllm_config):
+        other = builder.build(0, _decode_metadata(table[:n - 1], seq_lens[:n - 1]))
+    assert other.plan.num_partials == other.plan.node_seq_ids.numel() < 4 * (n - 1)   # exact
+    # n decodes and a prefill: never replayed by a graph (PIECEWISE), so an exact plan.
+    mixed = _decode_metadata(torch.cat([table, table[:1]]), torch.cat([seq_lens, seq_lens[:1]]))
+    mixed.query_start_loc_cpu[-1] += 4
+    mixed.query_start_loc, mixed.num_actual_tokens, mixed.max_query_len = (
+        mixed.query_start_loc_cpu, n + 5, 5)
+    mixed.slot_mapping = torch.full((n + 5,), -1, dtype=torch.int64)
+    with set_current_vllm_config(vllm_config):
+        md = builder.build(0, mixed)
+    assert md.num_decodes == n and md.prefill is not None
+    assert md.plan.num_partials == md.plan.node_seq_ids.numel() < 4 * n
+    assert builder.plans.num_builds == 2 and builder.graph_plans[n][0].num_builds == 3
+
+
+def _rows(plan, rows):
+    """The plan of the first `rows` rows of a padded one (the batch's query holds only those;
+    the padding rows have no partials)."""
+    from vllm_chunkattn.plan import TppPlan
+    return TppPlan(rows, plan.num_nodes, plan.num_partials, plan.node_block_indptr,
+                   plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids,
+                   plan.seq_partial_indptr[:rows + 1], plan.seq_partial_ids,
+                   plan.seq_num_shared_blocks[:rows])
+
+
 def test_v2_runner_mirror_follows_append_block_ids():
     """The V2 runner keeps block ids only on the device; the mirror fed from append_block_ids
     must give the rows its gather would (by request index, overwrite on a new request)."""
@@ -200,3 +275,81 @@ def test_decode_build_and_forward_never_sync_on_cuda():
     ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
                                md.plan, b.scale)
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM for CUDA")
+def test_full_decode_graph_replays_each_steps_tree_through_the_builder():
+    """#9 CUDA graphs as vLLM's FULL decode graphs run them: the metadata of
+    build_for_cudagraph_capture (vLLM's dummy batch) and one layer's forward are captured once;
+    each later step build()s its own tree into the same buffers and the graph is replayed."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    from vllm_chunkattn.ops.reference import tpp_decode_reference
+    from vllm_chunkattn.plugin import host_block_table
+    from vllm_chunkattn.testing import (TREE_SPECS, alloc_kv_cache, caterpillar_batch,
+                                        random_tree_batch)
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="bfloat16"),
+                        cache_config=CacheConfig(block_size=BS))
+    host_block_table.install()
+    kw = dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=BS, dtype=torch.bfloat16,
+              device="cuda")
+    trees = [random_tree_batch(3, **TREE_SPECS["system_prompts"], max_seqs=10, **kw),
+             caterpillar_batch(12, **kw)]
+    n, width = 12, 16
+    table = BlockTable(BS, n, width, 256, True, torch.device("cuda"), 1)
+    seq_lens = torch.ones(n, dtype=torch.int32, device="cuda")
+    query = torch.zeros(n, 4, 64, dtype=torch.bfloat16, device="cuda")
+    num_blocks = max(b.kv_cache.shape[0] for b in trees)
+    kv_cache = alloc_kv_cache(num_blocks, BS, 2, 64, torch.bfloat16, "cuda", "flash")
+    out = torch.zeros_like(query)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+
+    def metadata(host_seq_lens):
+        table.commit_block_table(n)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=n,
+            num_actual_tokens=n, max_query_len=1, max_seq_len=int(host_seq_lens.max()),
+            block_table_tensor=table.get_device_tensor(n),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device="cuda"),
+            seq_lens_cpu_upper_bound=host_seq_lens)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    with set_current_vllm_config(config):
+        builder = backend.ChunkAttnMetadataBuilder(spec, ["layer.0"], config,
+                                                   torch.device("cuda"))
+        impl = backend.ChunkAttnImpl(4, 64, 0.125, 2, None, None, "auto")
+        for i in range(n):                              # vLLM's dummy batch: null blocks
+            table.add_row([0], i)
+        captured = builder.build_for_cudagraph_capture(metadata(torch.ones(n, dtype=torch.int32)))
+
+        def layer(md):
+            impl.forward(None, query, query[:, :2], query[:, :2], kv_cache, md, out)
+        layer(captured)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(captured)
+        for b in trees + trees[:1]:
+            rows = b.query.shape[0]
+            kv_cache[:b.kv_cache.shape[0]].copy_(b.kv_cache)
+            for i in range(n):
+                table.add_row(b.block_table[i].tolist() if i < rows else [0], i)
+            host_seq_lens = torch.nn.functional.pad(b.seq_lens.cpu(), (0, n - rows))
+            seq_lens.copy_(host_seq_lens)
+            query.zero_()
+            query[:rows].copy_(b.query)
+            md = builder.build(0, metadata(host_seq_lens))
+            assert [t.data_ptr() for t in md.decode.plan_args] == [
+                t.data_ptr() for t in captured.decode.plan_args]
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                       b.seq_lens, build_plan_of(b), 0.125)
+            torch.testing.assert_close(out[:rows], ref, atol=1e-2, rtol=1e-2)
+            assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+
+
+def build_plan_of(b):
+    from vllm_chunkattn.plan import build_plan
+    return build_plan(b.block_table.cpu(), b.seq_lens.cpu(), b.block_size)

@@ -11,7 +11,7 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.testing import TREE_SPECS, caterpillar_batch, pad_batch, random_tree_batch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -168,71 +168,61 @@ def test_cuda_graph_replay(ops):
     check(b, plan, out, lse)
 
 
-def pad_to(plan: TppPlan, num_seqs, node_cap, partial_cap, block_cap, device="cuda") -> TppPlan:
-    """Capacity mode: the plan padded with empty nodes and junk ids to fixed capacities."""
-    def pad(t, n, fill=None):
-        t = t.cpu()
-        extra = n - t.numel()
-        assert extra >= 0
-        v = t[-1:].repeat(extra) if fill is None else torch.full((extra,), fill, dtype=t.dtype)
-        return torch.cat([t, v]).to(device)
-    return TppPlan(num_seqs, node_cap, partial_cap,
-                   pad(plan.node_block_indptr, node_cap + 1), pad(plan.node_block_ids, block_cap, 0),
-                   pad(plan.node_seq_indptr, node_cap + 1), pad(plan.node_seq_ids, partial_cap, 0),
-                   plan.seq_partial_indptr.to(device), pad(plan.seq_partial_ids, partial_cap, 0),
-                   plan.seq_num_shared_blocks.to(device))
-
-
 def test_cuda_graph_capacity_mode(ops):
-    # Capture once with capacity-padded plan buffers, then replay two different trees through
-    # them by copying each step's plan into the static buffers (what a vLLM graph step does).
+    # What a vLLM FULL decode graph does (backend.py): capture once on a capacity-mode plan, then
+    # each step PlanCache writes the step's tree into the same device buffer and the graph
+    # replays it. Three trees, one deeper than the capacity (pruned), rows padded with seq_len 0.
+    from vllm_chunkattn.ops import TppLaunch, TppWorkspace
+    from vllm_chunkattn.plan import PlanCache
+    from vllm_chunkattn.plan_capacity import PlanCapacity
     kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16, device="cuda",
-              max_seqs=12, fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2)
-    b1, b2 = random_tree_batch(8, **kw), random_tree_batch(9, **kw)
-    num_seqs = 12
-    assert b1.query.shape[0] == b2.query.shape[0] == num_seqs
+              fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2)
+    batches = [random_tree_batch(8, max_seqs=12, **kw), random_tree_batch(9, max_seqs=10, **kw),
+               caterpillar_batch(11, **{k: kw[k] for k in ("num_heads", "num_kv_heads",
+                                                            "head_size", "dtype", "device")})]
+    num_seqs, width = 12, 12
     # One static KV cache (flash layout) whose contents each step copies in, as vLLM's would be.
-    nb = max(b1.key_cache.shape[0], b2.key_cache.shape[0])
-    kv = torch.zeros(nb, b1.block_size, 4, 2 * 128, dtype=torch.float16, device="cuda")
+    nb = max(b.key_cache.shape[0] for b in batches)
+    kv = torch.zeros(nb, batches[0].block_size, 4, 2 * 128, dtype=torch.float16, device="cuda")
     key_cache, value_cache = kv[..., :128], kv[..., 128:]
-    caps = dict(num_seqs=num_seqs, node_cap=24, partial_cap=64, block_cap=128)
-    static = pad_to(plan_of(b1), **caps)
-    width = max(b1.block_table.shape[1], b2.block_table.shape[1])
     bt = torch.zeros(num_seqs, width, dtype=torch.int32, device="cuda")
-    q, sl = b1.query.clone(), b1.seq_lens.clone()
-    ws = workspace(caps["partial_cap"] + 4 * num_seqs, 16, 128)
+    q = torch.zeros(num_seqs, 16, 128, dtype=torch.float16, device="cuda")
+    sl = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     lse = torch.empty(num_seqs, 16, device="cuda")
+    cache = PlanCache(16, "cuda", capacity=PlanCapacity.for_batch(num_seqs, width))
+    ws = TppWorkspace(spare_rows_per_partial=0)
 
     def load(b):
-        p = pad_to(plan_of(b), **caps)
-        for name, t in vars(p).items():
-            if isinstance(t, torch.Tensor):
-                getattr(static, name).copy_(t)
+        n = b.query.shape[0]
         key_cache[:b.key_cache.shape[0]].copy_(b.key_cache)
         value_cache[:b.value_cache.shape[0]].copy_(b.value_cache)
         bt.zero_()
-        bt[:, :b.block_table.shape[1]].copy_(b.block_table)
-        q.copy_(b.query)
-        sl.copy_(b.seq_lens)
+        bt[:n, :b.block_table.shape[1]].copy_(b.block_table)
+        sl.zero_()
+        sl[:n].copy_(b.seq_lens)
+        q.zero_()
+        q[:n].copy_(b.query)
+        return cache.get(bt.cpu().numpy(), sl.cpu().numpy(), num_blocks=nb)
 
-    def step():
-        ops.tpp_decode(q, key_cache, value_cache, bt, sl, static.node_block_indptr,
-                       static.node_block_ids, static.node_seq_indptr, static.node_seq_ids,
-                       static.seq_partial_indptr, static.seq_partial_ids,
-                       static.seq_num_shared_blocks, *ws, b1.scale, out, lse)
-    load(b1)
-    step()
+    launch = TppLaunch(load(batches[0]), bt, sl, 16, 128, "cuda", ws)
+    launch.run(q, key_cache, value_cache, batches[0].scale, out, lse)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        step()
-    for b in (b2, b1):
-        load(b)
+        launch.run(q, key_cache, value_cache, batches[0].scale, out, lse)
+    assert plan_of(batches[2]).num_partials > cache.capacity.num_partials   # pruned to fit
+    for b in batches[1:] + batches[:1]:
+        plan = load(b)
+        assert [getattr(plan, f).data_ptr() for f in ("node_seq_ids", "seq_partial_ids")] == [
+            launch.plan.node_seq_ids.data_ptr(), launch.plan.seq_partial_ids.data_ptr()]
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        check(b, plan_of(b), out, lse)
+        n = b.query.shape[0]
+        check(b, plan_of(b), out[:n], lse[:n])
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+        assert torch.isneginf(lse[n:]).all()
 
 
 def test_opcheck(ops):
@@ -312,16 +302,25 @@ def test_bad_plan_is_refused_on_the_host_before_the_copy():
         cache.get(bt, sl, num_blocks=b.key_cache.shape[0])
 
 
-def test_decode_steps_make_no_host_sync(ops):
+@pytest.mark.parametrize("capacity", [False, True])
+def test_decode_steps_make_no_host_sync(ops, capacity):
     # #9: what a decode step does per step (PlanCache: host plan, host check, pinned staging into
     # persistent buffers) and per layer (TppLaunch.run) under sync debug "error". Alternating two
-    # trees rebuilds every step, so both staging slots are reused.
+    # trees rebuilds every step, so both staging slots are reused. capacity: as in a CUDA graph
+    # step (both trees padded to one captured batch size, plans padded to its capacities).
     from vllm_chunkattn.ops import TppLaunch, TppWorkspace
     from vllm_chunkattn.plan import PlanCache
+    from vllm_chunkattn.plan_capacity import PlanCapacity
     kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
     batches = [make_batch("system_prompts", seed=10, **kw), make_batch("deep_tree", seed=11, **kw)]
-    host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy()) for b in batches]
     cache, ws = PlanCache(16, "cuda"), TppWorkspace()
+    if capacity:
+        rows = max(b.query.shape[0] for b in batches) + 2
+        width = max(b.block_table.shape[1] for b in batches)
+        batches = [pad_batch(b, rows, width) for b in batches]
+        cache = PlanCache(16, "cuda", capacity=PlanCapacity.for_batch(rows, width))
+        ws = TppWorkspace(spare_rows_per_partial=0)
+    host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy()) for b in batches]
     outs = [torch.full_like(b.query, float("nan")) for b in batches]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -18,6 +18,7 @@ every token of a node and the chunk-first phase needs no mask.
 """
 from __future__ import annotations
 
+import heapq
 import os
 from dataclasses import dataclass
 
@@ -80,12 +81,15 @@ def empty_plan(num_seqs: int) -> TppPlan:
                    _as_int32(np.zeros(num_seqs + 1)), _as_int32([]), _as_int32(np.zeros(num_seqs)))
 
 
-def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2) -> TppPlan:
+def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2,
+               max_partials: int | None = None, max_node_blocks: int | None = None) -> TppPlan:
     """Build the plan of a decode batch.
 
     block_table: [num_seqs, max_blocks] int (numpy or CPU tensor); row i is valid up to
                  ceil(seq_lens[i] / block_size)
     seq_lens:    [num_seqs] int, tokens of KV each row attends to (new token included)
+    max_partials, max_node_blocks: bounds for a plan that must fit fixed buffers (CUDA graphs,
+                 plan_capacity.py); the tree's deepest nodes are left private until it fits.
     Cost: O(num_seqs * max_blocks) to sort plus O(num_seqs) for the tree.
     """
     bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
@@ -106,10 +110,11 @@ def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2) -> 
     # lcp[k] = common full-block prefix of sorted rows k and k+1.
     neq = srt[1:] != srt[:-1]
     lcp = np.where(neq.any(axis=1), neq.argmax(axis=1), width).astype(np.int64)
-    return _plan_from_lcp(order, srt, lcp, num_seqs, min_sharers)
+    return _plan_from_lcp(order, srt, lcp, num_seqs, min_sharers, max_partials, max_node_blocks)
 
 
-def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int) -> TppPlan:
+def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int,
+                   max_partials: int | None = None, max_node_blocks: int | None = None) -> TppPlan:
     # Compressed-trie intervals from the LCP array (stack algorithm): an interval
     # [begin, end) of sorted rows with depth d shares blocks [parent_depth, d).
     nodes = []                                        # (depth_lo, depth_hi, begin, end)
@@ -125,6 +130,8 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int) -> TppPlan:
         if stack[-1][0] < cur:
             stack.append((cur, begin))
     nodes.sort(key=lambda n: (n[2], n[0]))            # DFS order: parents before children
+    if max_partials is not None or max_node_blocks is not None:
+        nodes = _prune_to_fit(nodes, max_partials, max_node_blocks)
     node_block_indptr, node_block_ids = [0], []
     node_seq_indptr, node_seq_ids = [0], []
     per_seq: list[list[int]] = [[] for _ in range(num_seqs)]
@@ -145,6 +152,47 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int) -> TppPlan:
                    _as_int32(seq_partial_indptr), _as_int32(seq_partial_ids), _as_int32(shared))
 
 
+def _prune_to_fit(nodes: list[tuple[int, int, int, int]], max_partials: int | None,
+                  max_node_blocks: int | None) -> list[tuple[int, int, int, int]]:
+    """Drops leaf nodes of the node tree, the one that saves fewest KV reads first, until the
+    plan's partials and node blocks fit. Still exact: a dropped node's blocks become the head of
+    its rows' private tails (seq_num_shared_blocks falls back to the parent's depth), and only a
+    leaf can go, so every row keeps a shared prefix covered by nodes. nodes: in DFS order."""
+    def over(partials, blocks):
+        return ((max_partials is not None and partials > max_partials)
+                or (max_node_blocks is not None and blocks > max_node_blocks))
+    partials = sum(e - b for _, _, b, e in nodes)
+    blocks = sum(hi - lo for lo, hi, _, _ in nodes)
+    if not over(partials, blocks):
+        return nodes
+    parent, children, stack = [-1] * len(nodes), [0] * len(nodes), []
+    for k, (_, _, b, e) in enumerate(nodes):          # a node's parent encloses its rows
+        while stack and not (nodes[stack[-1]][2] <= b and e <= nodes[stack[-1]][3]):
+            stack.pop()
+        if stack:
+            parent[k] = stack[-1]
+            children[stack[-1]] += 1
+        stack.append(k)
+
+    def saving(k):                                    # KV blocks read once instead of per row
+        lo, hi, b, e = nodes[k]
+        return ((e - b - 1) * (hi - lo), k)
+    leaves = [saving(k) for k in range(len(nodes)) if children[k] == 0]
+    heapq.heapify(leaves)
+    dropped = set()
+    while over(partials, blocks):
+        _, k = heapq.heappop(leaves)
+        lo, hi, b, e = nodes[k]
+        dropped.add(k)
+        partials -= e - b
+        blocks -= hi - lo
+        if parent[k] >= 0:
+            children[parent[k]] -= 1
+            if children[parent[k]] == 0:
+                heapq.heappush(leaves, saving(parent[k]))
+    return [n for k, n in enumerate(nodes) if k not in dropped]
+
+
 class PlanCache:
     """Rebuilds the plan only when the sharing structure can have changed (the paper's lazy
     context copy): the block ids of every row's full blocks and the number of full blocks. While
@@ -157,18 +205,22 @@ class PlanCache:
     plan goes to persistent device buffers through pinned staging (plan_staging.py): no sync."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
-                 check_on_host: bool | None = None):
+                 check_on_host: bool | None = None, capacity=None):
+        """capacity: a plan_capacity.PlanCapacity for CUDA graphs: every plan is pruned to fit
+        it and padded to it, in one device buffer that never moves (None: exact plans)."""
         self.enabled = os.environ.get("CHUNKATTN_PLAN_CACHE", "1") != "0"
         self.block_size = block_size
         self.device = torch.device(device)
         self.check_on_host = self.device.type != "cpu" if check_on_host is None else check_on_host
+        self.capacity = capacity
         self._key: tuple[np.ndarray, np.ndarray] | None = None
         self._host_plan: TppPlan | None = None
         self._plan: TppPlan | None = None
         self._staging = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or capacity is not None:
             from .plan_staging import PlanStaging      # (it imports this module)
-            self._staging = PlanStaging(self.device)
+            self._staging = (PlanStaging(self.device) if capacity is None
+                             else PlanStaging(self.device, capacity=capacity.num_ints))
         self.num_builds = 0
         self.num_reuses = 0
         self.shared_kv_tokens = 0     # of the current plan
@@ -187,10 +239,16 @@ class PlanCache:
             self.num_reuses += 1
             self._check(bt, sl, num_blocks)   # the private tails have new blocks
             return self._plan
-        plan = build_plan(bt, sl, self.block_size)
+        cap = self.capacity
+        plan = build_plan(bt, sl, self.block_size) if cap is None else build_plan(
+            bt, sl, self.block_size, max_partials=cap.num_partials,
+            max_node_blocks=cap.num_node_blocks)
         self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
         self._host_plan = plan
         self._check(bt, sl, num_blocks)
+        if cap is not None:
+            from .plan_capacity import pad_plan            # (it imports this module)
+            plan = pad_plan(plan, cap)
         self._plan = plan.to(self.device) if self._staging is None else self._staging.upload(plan)
         self._key = key
         self.num_builds += 1

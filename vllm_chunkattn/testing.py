@@ -82,6 +82,43 @@ def random_tree_batch(seed: int, *, depth: int = 2, fanout: int = 3, max_node_bl
                      head_size ** -0.5)
 
 
+def caterpillar_batch(num_rows: int, block_size: int = 16, **kwargs) -> TreeBatch:
+    """The deepest tree of num_rows rows: row i holds blocks 1..i+1 in full (the last row as many
+    as the one before), then a private partial block. num_rows - 1 nested nodes and
+    num_rows * (num_rows + 1) / 2 - 1 partials (capacity mode must prune it, plan_capacity.py).
+    kwargs: random_tree_batch's heads, head_size, dtype, device."""
+    b = random_tree_batch(num_rows, fanouts=[num_rows], max_node_blocks=1, max_private_blocks=0,
+                          block_size=block_size, **kwargs)
+    g = torch.Generator().manual_seed(num_rows)
+    rows, lens = [], []
+    for i in range(num_rows):
+        ids = list(range(1, min(i + 1, num_rows - 1) + 1)) + [num_rows + i]
+        rows.append(ids + [0] * (num_rows - len(ids)))
+        lens.append((len(ids) - 1) * block_size + int(torch.randint(1, block_size + 1, (1,),
+                                                                    generator=g)))
+    dev, dtype = b.kv_cache.device, b.kv_cache.dtype
+    b.kv_cache = alloc_kv_cache(2 * num_rows, block_size, b.key_cache.shape[2],
+                                b.key_cache.shape[3], dtype, dev, "flash")
+    b.kv_cache.copy_(torch.randn(b.kv_cache.shape, generator=g).to(dtype))
+    b.key_cache, b.value_cache = kv_cache_views(b.kv_cache, "flash")
+    b.block_table = torch.tensor(rows, dtype=torch.int32, device=dev)
+    b.seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return b
+
+
+def pad_batch(b: TreeBatch, num_rows: int, width: int) -> TreeBatch:
+    """vLLM's CUDA-graph padding, in place: rows up to a captured batch size with seq_len 0 and
+    null block ids (and random queries), block table columns up to width."""
+    extra = num_rows - b.query.shape[0]
+    g = torch.Generator().manual_seed(num_rows)
+    pad_q = torch.randn(extra, *b.query.shape[1:], generator=g).to(b.query.dtype)
+    b.query = torch.cat([b.query, pad_q.to(b.query.device)])
+    b.block_table = torch.nn.functional.pad(b.block_table,
+                                            (0, width - b.block_table.shape[1], 0, extra))
+    b.seq_lens = torch.nn.functional.pad(b.seq_lens, (0, extra))
+    return b
+
+
 # Named shapes (vLLM BATCH_SPECS style): each is keyword arguments for random_tree_batch.
 TREE_SPECS: dict[str, dict] = {
     "no_sharing": dict(fanouts=[8], max_node_blocks=2, max_private_blocks=3),

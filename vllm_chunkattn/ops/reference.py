@@ -86,6 +86,8 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
     ns, nsi = plan.node_seq_indptr.tolist(), plan.node_seq_ids.long().to(dev)
     # Phase 1, chunk-first: each shared node's KV is read once for all its sharers' queries.
     for n in range(plan.num_nodes):
+        if ns[n] == ns[n + 1]:
+            continue                  # an empty node: capacity padding (plan_capacity.py)
         blocks = nbi[nb[n]:nb[n + 1]]
         k, v = paged_kv(key_cache, value_cache, blocks, len(blocks) * block_size)
         rows = nsi[ns[n]:ns[n + 1]]

@@ -24,8 +24,9 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from .. import __version__
 from ..kv_layout import kv_cache_views
-from ..ops import CUDA_BLOCK_SIZES, TppLaunch, kernel_name
+from ..ops import CUDA_BLOCK_SIZES, TppLaunch, TppWorkspace, kernel_name
 from ..plan import PlanCache, TppPlan
+from ..plan_capacity import PlanCapacity
 from . import logger
 from .host_block_table import host_block_table
 from .sharing_stats import SHARING_STATS
@@ -96,8 +97,12 @@ _announced = False
 
 
 class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
-    # TPP runs outside CUDA graphs for now (the plan changes shape with the batch's tree).
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # vLLM's FULL decode graphs include TPP: a uniform single-token decode batch of a captured
+    # size runs on a plan padded to that size's capacities, in device buffers that never move
+    # (plan_capacity.py), so the graph replays whatever tree the step holds. Batches with
+    # prefill rows run outside graphs (PIECEWISE), on exact plans.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     reorder_batch_threshold: int = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -115,6 +120,11 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         self.head_size = kv_cache_spec.head_size
         self.device = device
         self.plans = PlanCache(self.block_size, device)
+        # Per captured batch size: its capacity-mode plans and the workspace its graph holds.
+        self.graph_plans: dict[int, tuple[PlanCache, TppWorkspace]] = {}
+        self._graph_workspace: TppWorkspace | None = None
+        self._max_graph_batch = min(vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+                                    vllm_config.scheduler_config.max_num_seqs or 0)
         self._num_blocks: int | None = None
         self._warned_copy = False
         SHARING_STATS.publish_to_metrics(vllm_config)
@@ -138,9 +148,18 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                 logger.warning("CHUNKATTN_ALLOW_REFERENCE=1: TPP decode runs the PyTorch "
                                "reference, 10-100x slower than the native kernel")
 
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> ChunkAttnMetadata:
+        cm = common_attn_metadata
+        if cm.max_query_len == 1:     # uniform single-token decode: the graphs TPP is part of
+            self._graph_plans_for(cm.num_reqs, cm.block_table_tensor.shape[1])
+        return self._build(cm, record_stats=False)     # a dummy batch: not a served step
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ChunkAttnMetadata:
-        cm = common_attn_metadata
+        return self._build(common_attn_metadata, record_stats=True)
+
+    def _build(self, cm: CommonAttentionMetadata, record_stats: bool) -> ChunkAttnMetadata:
         if cm.causal is not True:
             # vLLM's selector never picks CUSTOM for non-causal attention (supports_non_causal
             # is False); split_attn_metadata would drop the flag and make prefill rows causal.
@@ -152,13 +171,17 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         plan = decode = None
         if num_decodes:
             host_table, host_seq_lens = self._host_rows(cm, num_decodes)
-            plan = self.plans.get(host_table, host_seq_lens,
-                                  self._num_kv_blocks() if self.plans.check_on_host else None)
+            plans, workspace = self.plans, None
+            if num_prefills == 0 and num_decodes in self.graph_plans:
+                plans, workspace = self.graph_plans[num_decodes]   # a graph may replay this step
+            plan = plans.get(host_table, host_seq_lens,
+                             self._num_kv_blocks() if plans.check_on_host else None)
             decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
-                               self.device)
-            SHARING_STATS.record(num_decodes, int(host_seq_lens.sum()),
-                                 self.plans.shared_kv_tokens, self.plans.num_builds,
-                                 num_prefills > 0)
+                               self.device, workspace)
+            if record_stats:         # rows past vLLM's real ones (graph padding) have seq_len 0
+                SHARING_STATS.record(int((host_seq_lens > 0).sum()), int(host_seq_lens.sum()),
+                                     plans.shared_kv_tokens, self._num_plan_builds(),
+                                     num_prefills > 0)
         prefill = None
         if num_prefills:
             rows = slice(num_decodes, cm.num_reqs)
@@ -166,6 +189,27 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             prefill = self.base.build(0, split_attn_metadata([UBatchSlice(rows, tokens)], cm)[0])
         return ChunkAttnMetadata(cm.num_actual_tokens, num_decodes, block_table, seq_lens, plan,
                                  decode, prefill, slot_mapping=cm.slot_mapping)
+
+    def _graph_plans_for(self, num_seqs: int, table_width: int) -> tuple[PlanCache, TppWorkspace]:
+        """The capacity-mode plans of a captured batch size, and its graph's workspace. One
+        workspace serves every size (graphs replay one at a time), sized at the first capture
+        for the largest graph batch; a size it cannot hold gets its own, so the tensors a
+        captured graph points at are never freed."""
+        if num_seqs not in self.graph_plans:
+            cap = PlanCapacity.for_batch(num_seqs, table_width)
+            ws = self._graph_workspace
+            if ws is None or not ws.holds(cap.num_partials, num_seqs, self.num_heads,
+                                          self.head_size, self.device):
+                largest = max(num_seqs, self._max_graph_batch)
+                ws = self._graph_workspace = TppWorkspace(spare_rows_per_partial=0)
+                ws.get(PlanCapacity.for_batch(largest, table_width).num_partials, largest,
+                       self.num_heads, self.head_size, self.device)
+            self.graph_plans[num_seqs] = (PlanCache(self.block_size, self.device,
+                                                    capacity=cap), ws)
+        return self.graph_plans[num_seqs]
+
+    def _num_plan_builds(self) -> int:
+        return self.plans.num_builds + sum(p.num_builds for p, _ in self.graph_plans.values())
 
     def _host_rows(self, cm: CommonAttentionMetadata, num_rows: int) -> tuple[np.ndarray,
                                                                               np.ndarray]:
