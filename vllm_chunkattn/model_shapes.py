@@ -5,8 +5,8 @@ word-level tokenizer, no weights (serve with `--load-format dummy`; bench ab/off
     python -m vllm_chunkattn.model_shapes --out models llama-3.2-1b     # models/llama-3.2-1b
 
 The configs are the public ones (meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.2-1B,
-Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B) except the special token ids, which are the local
-tokenizer's. Its 2048 ids are fewer than the
+Qwen/Qwen2.5-32B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B) except the special token ids, which
+are the local tokenizer's. Its 2048 ids are fewer than the
 config's vocab_size: the embedding keeps the real size (its cost is real), prompts use ids < 2048.
 """
 from __future__ import annotations
@@ -41,6 +41,12 @@ SHAPES: dict[str, dict] = {
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
     # Qwen2 configs carry sliding_window but use_sliding_window is false: full attention.
+    # The second GPU prediction shape (bench tpot): 65 GB of bf16 weights, 256 KiB of KV a token.
+    "qwen2.5-32b": {
+        **_QWEN2, "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "sliding_window": 131072, "max_window_layers": 64},
     "qwen2.5-1.5b": {
         **_QWEN2, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
         "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 131072,

@@ -2,7 +2,8 @@
 # One device call for the CUDA kernel (device tool `run`, repo root; the exact call and what
 # comes back: benchmarks/gpu/README.md):
 #   env -> FlashInfer wheels (if carried) -> JIT build -> GPU tests -> host-side CUDA tests ->
-#   compute-sanitizer memcheck + racecheck on small trees -> microbench -> bench kernel grids.
+#   compute-sanitizer memcheck + racecheck on small trees -> FlashInfer JIT warm-up -> tree grids
+#   vs FlashInfer (bench kernel --grid gpu) -> microbench -> bench kernel goals / full grids.
 # Every stage gets at most its cap and what is left of BUDGET_S (default 470 s), so the script
 # ends in under 8 minutes whatever hangs; the summary names each stage ok / FAILED / CUT / SKIPPED.
 # The device tool returns at most 8 files from $OUT, so everything lands in $WORK and $OUT gets
@@ -126,6 +127,26 @@ if (( build_rc == 0 )); then
 
   # ---- benchmarks (bench kernel: cold L2, CUDA events, median; microbench: graph replay)
   if want bench; then
+    # FlashInfer JIT-builds its decode and FA3 prefill modules on first use (~1-3 min on a fresh
+    # machine, cached in ~/.cache/flashinfer while it stays warm): build both dtypes first, in
+    # parallel (half the cores each: cutlass units take GBs of host memory apiece), so no timing
+    # below waits on nvcc.
+    if "$PY" -c "import flashinfer" 2>/dev/null; then
+      # shellcheck disable=SC2016  # expanded by the inner bash
+      stage flashinfer-jit 240 "$WORK/bench.log" env PY="$PY" MAX_JOBS=$(( (MAX_JOBS + 1) / 2 )) \
+        bash -c '
+        "$PY" -m vllm_chunkattn.bench.flashinfer_baselines --warm float16 & fp16=$!
+        "$PY" -m vllm_chunkattn.bench.flashinfer_baselines --warm bfloat16 & bf16=$!
+        wait $fp16; a=$?; wait $bf16; b=$?; exit $(( a | b ))'
+    fi
+    # The tree grids of issue #9 (paper Table 3, Llama-3-8B, RL rollouts, few-shot) against
+    # FlashInfer decode + cascade: kernel_cuda_gpu.{md,csv,png}, rewritten after every grid.
+    stage bench-trees 300 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench kernel --device cuda \
+      --grid gpu --out "$WORK/bench"
+    # Decode TPOT on paper (issue #9): Llama-3-8B and Qwen2.5-32B shapes at B 32/128/256, our
+    # attention vs FlashInfer decode plus the measured linear layers: tpot_cuda.{md,csv,png}.
+    stage tpot 150 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench tpot --device cuda \
+      --out "$WORK/bench"
     for dtype in bfloat16 float16; do
       stage "microbench-$dtype" 60 "$WORK/bench.log" "$PY" benchmarks/gpu/tpp_microbench.py \
         --dtype "$dtype" --out "$WORK/microbench_$dtype.json"
@@ -158,10 +179,16 @@ fi
 import json, sys
 for r in map(json.loads, sys.stdin):
     print(f\"{r['dtype']:9s} {r['shape']:32s} tpp {r['tpp_us']:9.1f}  no_sharing {r['no_sharing_us']:9.1f}  x{r['speedup']}\")"
+  echo "== decode TPOT on paper (tpot_cuda.md, in results.tar.gz)"
+  grep -E '^\| (llama|qwen)' "$WORK/bench/tpot_cuda.md" 2>/dev/null
+  echo "== tree grids (kernel_cuda_gpu.md): issue #9 goals"
+  sed -n '/^## Goals/,/^## Method/p' "$WORK/bench/kernel_cuda_gpu.md" 2>/dev/null | grep '^- '
 } > "$WORK/summary.md" 2>&1
 cp "$WORK/summary.md" "$OUT/summary.md"
 for f in tests.log sanitizer.log build.log; do [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"; done
-for f in "$WORK"/bench/kernel_cuda_goals.md "$WORK"/bench/kernel_cuda.md; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+for f in "$WORK"/bench/kernel_cuda_gpu.md "$WORK"/bench/kernel_cuda_goals.md "$WORK"/bench/kernel_cuda.md; do
+  [ -f "$f" ] && cp "$f" "$OUT/"
+done
 tar -czf "$OUT/results.tar.gz" -C "$WORK" .
 ls -l "$OUT"
 cat "$OUT/summary.md"

@@ -60,6 +60,10 @@ workload() {
 server_args=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port "$PORT"
              --gpu-memory-utilization 0.90)
 [ "$SYSTEM" = custom ] && server_args+=(--attention-backend CUSTOM)
+# e.g. EXTRA_SERVER_ARGS='--compilation-config {"cudagraph_mode":"PIECEWISE"}' to take attention
+# out of the decode graphs if FULL graphs misbehave (word-split: no spaces inside the JSON).
+# shellcheck disable=SC2206
+server_args+=(${EXTRA_SERVER_ARGS:-})
 echo "== $TAG: vllm serve $MODEL ${server_args[*]}"
 t0=$SECONDS
 CHUNKATTN_STATS_FILE=$WORK/chunkattn_stats.json "$VLLM" serve "$MODEL" "${server_args[@]}" \
@@ -140,6 +144,11 @@ for n in names:
           f"| {peak.get((n, 'vllm:num_requests_running'), 0):.0f} |")
 PY
 grep -m1 "kernel=" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
+# Which CUDA graphs were captured (FULL decode graphs include CUSTOM's attention) and whether
+# async scheduling stayed on (vLLM's GPU default; the flag must leave it alone).
+{ grep -oE "Capturing CUDA graphs \([^)]*\)" "$OUT/server_$TAG.log" | sort -u
+  grep -oE "cudagraph_mode[^,]*|async_scheduling=[A-Za-z]+" "$OUT/server_$TAG.log" | sort -u
+} >> "$OUT/summary_$TAG.md"
 grep -m1 "KV cache size" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
 tar -czf "$OUT/results_$TAG.tar.gz" -C "$WORK" .
 cat "$OUT/summary_$TAG.md"

@@ -11,6 +11,7 @@ COMMANDS = {
     "ablation": "vllm_chunkattn.bench.ablation",  # serving: CUSTOM with each suspect switched off
     "soak": "vllm_chunkattn.bench.soak",       # CUSTOM server under faults, then checked vs stock
     "step": "vllm_chunkattn.bench.step_profile",  # one decode step: in-process vs multiprocess engine
+    "tpot": "vllm_chunkattn.bench.tpot_model",  # decode TPOT from measured parts, stock vs CUSTOM
 }
 
 

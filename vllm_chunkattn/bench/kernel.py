@@ -28,12 +28,16 @@ QUICK = dict(n_p=(1024,), share=(0, 1), b=(8, 32), heads=((32, 8),), block=(16, 
 # The points the CPU issue sets its goals on (n_p = 2048, b = 32; all or nothing shared).
 GOALS = dict(n_p=(2048,), share=(0, 1), b=(32,), heads=((32, 8), (32, 32)), block=(16, 64))
 GRIDS = {"full": FULL, "quick": QUICK, "goals": GOALS}
+# Tree-shaped GPU grids (kernel_trees.py, run by kernel_gpu.py); gpu = paper + llama8b + rl +
+# fewshot; smoke is tiny and also runs on CPU.
+GPU_GRIDS = ("gpu", "paper", "llama8b", "rl", "fewshot", "smoke")
 
 
 @dataclass
 class Batch:
     query: torch.Tensor
     kv_cache: torch.Tensor      # vLLM's logical [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    #                             (KvPool layout "paged_nhd": [num_blocks, 2, block, kv heads, head])
     key_cache: torch.Tensor     # our [num_blocks, block_size, num_kv_heads, head_size] views of it
     value_cache: torch.Tensor
     block_table: torch.Tensor
@@ -46,10 +50,17 @@ class KvPool:
     filling GBs of cache per point would dominate the run."""
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout):
-        self.kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype,
-                                       device, layout)
+        if layout == "paged_nhd":
+            # FlashInfer's (and vLLM's FLASHINFER backend's) pages [blocks, 2, block, kv heads,
+            # head]: our op reads the K and V halves in place, so both read the same bytes.
+            self.kv_cache = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_size,
+                                        dtype=dtype, device=device)
+            self.key_cache, self.value_cache = self.kv_cache[:, 0], self.kv_cache[:, 1]
+        else:
+            self.kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                           dtype, device, layout)
+            self.key_cache, self.value_cache = kv_cache_views(self.kv_cache, layout)
         self.kv_cache.normal_()
-        self.key_cache, self.value_cache = kv_cache_views(self.kv_cache, layout)
         self.block_size = block_size
 
     def batch(self, n_p, n_s, b, num_heads, seed) -> Batch:
@@ -66,6 +77,15 @@ class KvPool:
         return Batch(query, self.kv_cache, self.key_cache, self.value_cache,
                      table.to(torch.int32).to(dev),
                      torch.full((b,), seq_len, dtype=torch.int32, device=dev), head_size ** -0.5)
+
+    def from_table(self, block_table, seq_lens, num_heads, generator) -> Batch:
+        """A batch over given host block table / seq_lens (kernel_trees.tree_block_table)."""
+        head_size = self.key_cache.shape[-1]
+        dev = self.kv_cache.device
+        query = torch.randn(block_table.shape[0], num_heads, head_size, generator=generator)
+        return Batch(query.to(self.kv_cache.dtype).to(dev), self.kv_cache, self.key_cache,
+                     self.value_cache, block_table.to(torch.int32).to(dev),
+                     seq_lens.to(torch.int32).to(dev), head_size ** -0.5)
 
 
 # ---- the contenders: each returns a zero-argument callable writing into a preallocated output
@@ -336,9 +356,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench kernel", description=__doc__)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="small subset (smoke run)")
-    p.add_argument("--grid", default="full", choices=tuple(GRIDS),
+    p.add_argument("--grid", default="full", choices=tuple(GRIDS) + GPU_GRIDS,
                    help="full: the issue's grid; goals: only its goal points (file stem "
-                        "kernel_<device>_goals)")
+                        "kernel_<device>_goals); gpu, paper, llama8b, rl, fewshot: the tree "
+                        "grids against FlashInfer (--device cuda; each fixes its own heads, "
+                        "dtype and block; kernel_gpu.py); smoke: tiny tree points, any device")
     p.add_argument("--out", type=Path, default=None, help="folder for kernel_<device>.{csv,md,png}")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="KV and query dtype (float32: the CPU kernels' fp32 path, as the tiny "
@@ -355,6 +377,15 @@ def main(argv=None) -> int:
                    help="CPU: time per-sequence SDPA (seconds a call) only up to this batch, once")
     p.add_argument("--tol", type=float, default=2e-2, help="output agreement required before timing")
     args = p.parse_args(argv)
+    command = "python -m vllm_chunkattn.bench kernel " + " ".join(
+        sys.argv[2:] if argv is None else argv)
+    if args.grid in GPU_GRIDS:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            p.error("--device cuda needs a CUDA GPU")
+        if args.device == "cpu" and args.grid != "smoke":
+            p.error(f"--grid {args.grid} is sized for a GPU: use --device cuda (or --grid smoke)")
+        from .kernel_gpu import run_tree_grids
+        return run_tree_grids(args, command)
     args.heads = None
     from ..model_shapes import SHAPES, attention_shape
     if args.model_shape:
@@ -370,7 +401,5 @@ def main(argv=None) -> int:
                         else float("nan"))
     rows = run_grid(args)
     if args.out is not None:
-        command = "python -m vllm_chunkattn.bench kernel " + " ".join(
-            sys.argv[2:] if argv is None else argv)
         write_results(rows, args, args.out, command)
     return 0

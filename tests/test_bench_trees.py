@@ -1,0 +1,371 @@
+"""The GPU kernel grid's parts that need no GPU: the tree generators (sharing exactly as
+specified), the conversion to FlashInfer cascade levels (consistent arrays, exact by a pure-torch
+emulation of what a cascade computes), the roofline arithmetic, the goal checks and the runner on
+the CPU smoke grid. The one GPU test runs the smoke grid on CUDA without FlashInfer: graph replay
+and the chunk-first profile."""
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_chunkattn.bench import kernel_gpu
+from vllm_chunkattn.bench.cascade_levels import cascade_levels, emulate_cascade
+from vllm_chunkattn.bench.kernel import main as kernel_main
+from vllm_chunkattn.bench.kernel_gpu_report import goal_lines
+from vllm_chunkattn.bench.kernel_trees import (LLAMA3_8B, PAPER, SMOKE, AttnShape, TreePoint,
+                                               few_shot, paper_grid, rollouts, single_prefix,
+                                               smoke_grid, tree_block_table)
+from vllm_chunkattn.bench.roofline import (chunk_first_flops, chunk_first_rows,
+                                           kv_bytes_per_token, roofline_us, unique_kv_tokens)
+from vllm_chunkattn.ops import dense_decode_oracle
+from vllm_chunkattn.plan import build_plan
+from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+
+
+def table_of(point, pool_blocks=None, seed=0):
+    return tree_block_table(point, pool_blocks or point.blocks_needed() + 1,
+                            torch.Generator().manual_seed(seed))
+
+
+def node_sets(plan):
+    """{frozenset of sharer rows: number of blocks} of a plan."""
+    nb, ns = plan.node_block_indptr.tolist(), plan.node_seq_indptr.tolist()
+    ids = plan.node_seq_ids.tolist()
+    return {frozenset(ids[ns[n]:ns[n + 1]]): nb[n + 1] - nb[n] for n in range(plan.num_nodes)}
+
+
+# ---- tree generators
+
+@pytest.mark.parametrize("groups,samples", [(4, 8), (16, 16), (3, 2)])
+def test_rollouts_share_each_prompt_among_its_samples_only(groups, samples):
+    point = rollouts("t", "t", LLAMA3_8B, groups, samples, (1000, 4096), (0, 2048), seed=5)
+    table, lens = table_of(point, pool_blocks=point.blocks_needed() + 50)
+    bs = LLAMA3_8B.block_size
+    plan = build_plan(table, lens, bs)
+    assert plan.num_nodes == groups
+    prompts = [point.node_tokens[f"p{g}"] for g in range(groups)]
+    assert all(1000 // bs * bs <= p <= 4096 and p % bs == 0 for p in prompts)
+    expected = {frozenset(range(g * samples, (g + 1) * samples)): prompts[g] // bs
+                for g in range(groups)}
+    assert node_sets(plan) == expected
+    for g in range(groups):
+        rows = table[g * samples:(g + 1) * samples, :prompts[g] // bs]
+        assert (rows == rows[0]).all()                     # the same physical blocks
+    private = lens - torch.tensor([prompts[i // samples] for i in range(groups * samples)])
+    assert private.min() >= 1 and private.max() <= 2049
+
+
+def test_blocks_are_distinct_except_where_the_tree_shares_them():
+    point = few_shot("t", "t", SMOKE, system=32, shots=2, shot_tokens=48, questions=3,
+                     question_tokens=16, samples=2, generated=(0, 40), zero_shot_questions=2,
+                     seed=1)
+    table, lens = table_of(point, pool_blocks=200)
+    bs = SMOKE.block_size
+    owner = {}                                   # block id -> the node (or row tail) holding it
+    for r, (path, n) in enumerate(zip(point.paths, lens.tolist())):
+        col = 0
+        for node in path:
+            for _ in range(point.node_tokens[node] // bs):
+                assert owner.setdefault(int(table[r, col]), node) == node
+                col += 1
+        for c in range(col, -(-n // bs)):
+            assert owner.setdefault(int(table[r, c]), ("row", r)) == ("row", r)
+    assert 0 not in owner
+    assert len(owner) == point.blocks_needed()
+
+
+def test_paper_grid_is_table_3():
+    points = paper_grid()
+    assert [(p.label) for p in points][:4] == ["n_p=1024 n_s=0", "n_p=1024 n_s=512",
+                                               "n_p=1024 n_s=768", "n_p=1024 n_s=1024"]
+    assert len(points) == 12
+    for p in points:
+        assert p.shape == AttnShape(32, 32, 128, 64, "float16") and p.num_rows == 32
+        n_p, n_s = (int(x.split("=")[1]) for x in p.label.split())
+        table, lens = table_of(p)
+        assert lens.tolist() == [n_p + 1] * 32
+        plan = build_plan(table, lens, PAPER.block_size)
+        assert node_sets(plan) == ({frozenset(range(32)): n_s // 64} if n_s else {})
+
+
+def test_few_shot_is_three_levels_deep_with_the_specified_sharers():
+    point = few_shot("t", "t", SMOKE, system=64, shots=3, shot_tokens=32, questions=2,
+                     question_tokens=16, samples=4, generated=(0, 30), seed=2)
+    table, lens = table_of(point)
+    plan = build_plan(table, lens, SMOKE.block_size)
+    sets = node_sets(plan)
+    rows = point.num_rows
+    assert rows == 3 * 2 * 4
+    expected = {frozenset(range(rows)): 4}                              # system: 64 tokens
+    for j in range(3):
+        expected[frozenset(range(j * 8, (j + 1) * 8))] = 2               # few-shot block
+        for k in range(2):
+            expected[frozenset(range(j * 8 + k * 4, j * 8 + k * 4 + 4))] = 1   # question
+    assert sets == expected
+    assert cascade_levels(plan, table, lens, SMOKE.block_size).num_levels == 4
+    assert (lens.numpy() - (64 + 32 + 16)).min() >= 1
+
+
+def test_tree_point_refuses_what_is_not_a_tree_of_whole_blocks():
+    with pytest.raises(ValueError, match="whole blocks"):
+        TreePoint("t", "t", SMOKE, {"a": 20}, [("a",)], [1])
+    with pytest.raises(ValueError, match="two different parents"):
+        TreePoint("t", "t", SMOKE, {"a": 16, "b": 16, "c": 16}, [("a", "c"), ("b", "c")], [1, 1])
+    with pytest.raises(ValueError, match="new token"):
+        TreePoint("t", "t", SMOKE, {}, [()], [0])
+    with pytest.raises(ValueError, match="pool has"):
+        table_of(single_prefix("t", "t", SMOKE, 2, 32, 5), pool_blocks=4)
+
+
+# ---- cascade levels
+
+def test_levels_of_a_hand_made_batch():
+    # rows 0 and 2 share blocks [7, 8]; row 1 shares nothing; row 0 and 2 differ after that.
+    table = torch.tensor([[7, 8, 3, 0], [5, 6, 9, 0], [7, 8, 4, 2]], dtype=torch.int32)
+    lens = torch.tensor([40, 33, 50], dtype=torch.int32)          # block 16
+    levels = cascade_levels(build_plan(table, lens, 16), table, lens, 16)
+    assert levels.row_order.tolist() == [1, 0, 2]                 # no path first, then the node
+    assert levels.num_levels == 2 and levels.num_empty_groups == 1
+    assert levels.qo_indptr[0].tolist() == [0, 1, 3]               # row 1 alone (empty), rows 0,2
+    assert levels.kv_indptr[0].tolist() == [0, 0, 2]
+    assert levels.kv_indices[0].tolist() == [7, 8]
+    assert levels.last_page_len[0].tolist() == [0, 16]
+    assert levels.qo_indptr[1].tolist() == [0, 1, 2, 3]
+    assert levels.kv_indices[1].tolist() == [5, 6, 9, 3, 4, 2]     # rows 1, 0, 2: private pages
+    assert levels.kv_indptr[1].tolist() == [0, 3, 4, 6]
+    assert levels.last_page_len[1].tolist() == [1, 8, 2]           # 33 = 2*16+1, 40-32, 50-48
+
+
+def check_level_arrays(levels, table, lens, block_size):
+    rows = table.shape[0]
+    covered = np.zeros(rows, dtype=np.int64)       # tokens each row is given over all levels
+    pages_of_row = [[] for _ in range(rows)]
+    for level in range(levels.num_levels):
+        qo, kv = levels.qo_indptr[level], levels.kv_indptr[level]
+        last, idx = levels.last_page_len[level], levels.kv_indices[level]
+        assert qo[0] == 0 and qo[-1] == rows and (np.diff(qo) > 0).all()   # a partition
+        assert len(kv) == len(qo) and kv[0] == 0 and kv[-1] == len(idx) and (np.diff(kv) >= 0).all()
+        for g in range(len(qo) - 1):
+            n_pages = kv[g + 1] - kv[g]
+            assert (last[g] == 0) == (n_pages == 0) and 0 <= last[g] <= block_size
+            tokens = (n_pages - 1) * block_size + last[g] if n_pages else 0
+            for r in levels.row_order[qo[g]:qo[g + 1]]:
+                covered[r] += tokens
+                pages_of_row[r] += idx[kv[g]:kv[g + 1]].tolist()
+    assert covered.tolist() == lens.tolist()
+    for r in range(rows):                           # exactly the row's own blocks, in order
+        assert pages_of_row[r] == table[r, :-(-int(lens[r]) // block_size)].tolist()
+
+
+@pytest.mark.parametrize("spec", sorted(TREE_SPECS))
+def test_level_arrays_partition_rows_and_pages(spec):
+    b = random_tree_batch(3, **TREE_SPECS[spec])
+    levels = cascade_levels(build_plan(b.block_table, b.seq_lens, b.block_size), b.block_table,
+                            b.seq_lens, b.block_size)
+    check_level_arrays(levels, b.block_table, b.seq_lens, b.block_size)
+
+
+def test_rollout_levels_are_one_group_per_prompt():
+    point = rollouts("t", "t", SMOKE, 3, 4, (32, 64), (0, 40), seed=4)
+    table, lens = table_of(point)
+    levels = cascade_levels(build_plan(table, lens, 16), table, lens, 16)
+    assert levels.is_identity_order() and levels.num_levels == 2
+    assert levels.qo_indptr[0].tolist() == [0, 4, 8, 12]
+    for g in range(3):
+        pages = levels.kv_indices[0][levels.kv_indptr[0][g]:levels.kv_indptr[0][g + 1]]
+        assert pages.tolist() == table[4 * g, :point.node_tokens[f"p{g}"] // 16].tolist()
+    assert (levels.last_page_len[0] == 16).all()
+    check_level_arrays(levels, table, lens, 16)
+
+
+def emulation_error(levels, b, block_size):
+    out, lse = emulate_cascade(levels, b.query, b.key_cache, b.value_cache, block_size, b.scale)
+    ref_out, ref_lse = dense_decode_oracle(b.query, b.key_cache, b.value_cache, b.block_table,
+                                           b.seq_lens, b.scale)
+    return (max((out.double() - ref_out).abs().max().item(),
+                (lse.double() - ref_lse).abs().max().item()))
+
+
+@pytest.mark.parametrize("spec", sorted(TREE_SPECS))
+def test_cascade_of_the_levels_is_exact(spec):
+    # Shuffled rows: the levels reorder them; node_ends_at_last_token: empty private groups.
+    b = random_tree_batch(11, num_heads=8, num_kv_heads=2, **TREE_SPECS[spec])
+    levels = cascade_levels(build_plan(b.block_table, b.seq_lens, b.block_size), b.block_table,
+                            b.seq_lens, b.block_size)
+    assert emulation_error(levels, b, b.block_size) < 1e-4
+
+
+@pytest.mark.parametrize("point", smoke_grid(), ids=lambda p: p.label)
+def test_cascade_of_the_smoke_trees_is_exact(point):
+    from vllm_chunkattn.bench.kernel import KvPool
+    pool = KvPool(point.blocks_needed() + 3, 16, SMOKE.num_kv_heads, SMOKE.head_size,
+                  torch.float32, "cpu", "paged_nhd")
+    gen = torch.Generator().manual_seed(0)
+    table, lens = tree_block_table(point, pool.kv_cache.shape[0], gen)
+    bt = pool.from_table(table, lens, SMOKE.num_heads, gen)
+    levels = cascade_levels(build_plan(table, lens, 16), table, lens, 16)
+    assert emulation_error(levels, bt, 16) < 1e-4
+
+
+def test_a_level_missing_a_page_is_caught():
+    b = random_tree_batch(2, num_heads=8, num_kv_heads=2, **TREE_SPECS["system_prompts"])
+    levels = cascade_levels(build_plan(b.block_table, b.seq_lens, b.block_size), b.block_table,
+                            b.seq_lens, b.block_size)
+    levels.kv_indices[0] = levels.kv_indices[0][1:]          # the first group loses a page
+    levels.kv_indptr[0] = np.maximum(levels.kv_indptr[0] - 1, 0)
+    assert emulation_error(levels, b, b.block_size) > 1e-2
+
+
+# ---- roofline arithmetic
+
+def test_unique_bytes_and_chunk_first_work_by_hand():
+    table = torch.tensor([[1, 2, 3], [1, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([40, 35], dtype=torch.int32)
+    assert unique_kv_tokens(table, lens, 16) == 16 + 16 + 8 + 3
+    assert kv_bytes_per_token(8, 128, torch.bfloat16) == 2 * 8 * 128 * 2
+    assert roofline_us(4096 * 43, 1000.0) == pytest.approx(0.176128)
+    plan = build_plan(table, lens, 16)
+    # one node: 2 blocks (32 tokens), 2 sharers; QK^T + PV = 4 FLOPs per (row, token, head, dim)
+    assert chunk_first_flops(plan, 32, 128, 16) == 4 * 2 * 32 * 32 * 128
+    assert chunk_first_rows(plan, 32, 8) == 2 * 4
+
+
+def test_unique_tokens_of_one_prefix_is_p_plus_b_s():
+    point = single_prefix("t", "t", LLAMA3_8B, 128, 4096, 128)
+    table, lens = table_of(point)
+    assert unique_kv_tokens(table, lens, 16) == 4096 + 128 * 128
+
+
+def test_goal_lines_judge_the_worst_point():
+    base = dict(nodes=1, cf_rows=0, pct_roofline=math.nan, x_empty_plan=math.nan,
+                x_fi_cascade=math.nan, x_fi_decode=math.nan, cf_pct_peak=math.nan)
+    rows = [dict(base, grid="paper", point="n_p=4096 n_s=4096", pct_roofline=71.0,
+                 x_empty_plan=19.5),
+            dict(base, grid="rl", point="a", x_fi_cascade=1.4),
+            dict(base, grid="rl", point="b", x_fi_cascade=1.2)]
+    lines = goal_lines(rows)
+    assert "met, worst 71" in lines[0] and "NOT met, worst 19.5" in lines[1]
+    assert "NOT met, worst 1.2 over 2" in lines[2]
+    assert "not measured" in lines[4] and "not measured" in lines[5]
+
+
+# ---- the runner
+
+def test_smoke_grid_runs_on_cpu(tmp_path):
+    assert kernel_main(["--device", "cpu", "--grid", "smoke", "--reps", "1",
+                        "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "kernel_cpu_smoke.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["point"] for r in rows] == [p.label for p in smoke_grid()]
+    for r in rows:
+        assert float(r["ours_us"]) > 0 and float(r["empty_plan_us"]) > 0
+        assert math.isnan(float(r["fi_cascade_us"]))
+    md = (tmp_path / "kernel_cpu_smoke.md").read_text()
+    assert md.count("\n| b=4 P=64 S=20 |") == 1 and (tmp_path / "kernel_cpu_smoke.png").exists()
+
+
+def test_a_wrong_contender_is_not_timed_and_wrong_ours_fails_the_run(tmp_path, monkeypatch):
+    def wrong(make):
+        def contender(*a, **kw):
+            fn = make(*a, **kw)
+            return lambda: fn() + 1.0
+        return contender
+    monkeypatch.setattr(kernel_gpu, "sdpa_per_sequence", wrong(kernel_gpu.sdpa_per_sequence))
+    assert kernel_main(["--device", "cpu", "--grid", "smoke", "--reps", "1"]) == 0
+    monkeypatch.setattr(kernel_gpu, "ours", wrong(kernel_gpu.ours))
+    args = ["--device", "cpu", "--grid", "smoke", "--reps", "1", "--out", str(tmp_path)]
+    assert kernel_main(args) == 1
+    with open(tmp_path / "kernel_cpu_smoke.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(math.isnan(float(r["sdpa_us"])) and "sdpa: mismatch" in r["notes"] for r in rows)
+    assert all(math.isnan(float(r["ours_us"])) for r in rows)
+
+
+def test_gpu_grids_refuse_the_cpu():
+    with pytest.raises(SystemExit):
+        kernel_main(["--device", "cpu", "--grid", "paper"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_smoke_grid_on_cuda_graph_and_chunk_first_profile(tmp_path, monkeypatch):
+    # FlashInfer left out: its JIT build takes minutes on a fresh device (the bench stage does it).
+    monkeypatch.setattr(kernel_gpu, "flashinfer_version", lambda: (None, "left out in this test"))
+    assert kernel_main(["--device", "cuda", "--grid", "smoke", "--reps", "3",
+                        "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "kernel_cuda_smoke.csv") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        assert float(r["ours_graph_us"]) > 0 and float(r["sdpa_us"]) > 0
+        if int(r["nodes"]):
+            assert float(r["cf_us"]) > 0, r["notes"]          # the profiler found the launch
+
+
+# ---- the FlashInfer glue, against a stand-in that computes what FlashInfer's wrappers compute
+
+class _FakeWrapper:
+    """FlashInfer 0.6's plan/run call shapes (positional order as in flashinfer/cascade.py and
+    decode.py); run computes the levels with emulate_cascade, cache unbound as FlashInfer does."""
+
+    def __init__(self, *args, **kw):
+        self.levels = None
+
+    def _plan(self, qo, kv, idx, last, page_size, kw):
+        from vllm_chunkattn.bench.cascade_levels import CascadeLevels
+        assert kw.get("causal", False) is False          # one query per row: no mask
+        arrays = [[t.cpu().numpy() for t in a] for a in (qo, kv, idx, last)]
+        for a in arrays:
+            assert all(x.dtype == np.int32 for x in a)
+        self.levels = CascadeLevels(np.arange(int(arrays[0][0][-1])), *arrays, 0)
+        self.page_size, self.scale = page_size, kw["sm_scale"]
+
+    def run(self, q, paged_kv_cache, out=None):
+        key, value = paged_kv_cache.unbind(dim=1)          # [pages, 2, page, kv heads, head]
+        result, _ = emulate_cascade(self.levels, q, key, value, self.page_size, self.scale)
+        if out is None:
+            return result.to(q.dtype)
+        return out.copy_(result)
+
+
+class _FakeCascade(_FakeWrapper):
+    def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+             paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+        self._plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+                   paged_kv_last_page_len, page_size, kw)
+
+
+class _FakeDecode(_FakeWrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, **kw):
+        rows = torch.arange(len(indptr), dtype=torch.int32)
+        self._plan([rows], [indptr], [indices], [last_page_len], page_size, kw)
+
+
+def test_flashinfer_glue_reorders_rows_and_passes_the_levels(monkeypatch):
+    import sys
+    import types
+
+    from vllm_chunkattn.bench import flashinfer_baselines as fib
+    from vllm_chunkattn.bench.kernel import KvPool
+    fake = types.SimpleNamespace(MultiLevelCascadeAttentionWrapper=_FakeCascade,
+                                 BatchDecodeWithPagedKVCacheWrapper=_FakeDecode)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    point = smoke_grid()[-1]                                  # uneven: empty groups too
+    pool = KvPool(point.blocks_needed() + 1, 16, SMOKE.num_kv_heads, SMOKE.head_size,
+                  torch.float32, "cpu", "paged_nhd")
+    gen = torch.Generator().manual_seed(0)
+    table, lens = tree_block_table(point, pool.kv_cache.shape[0], gen)
+    perm = torch.randperm(point.num_rows, generator=gen)     # rows out of DFS order
+    bt = pool.from_table(table[perm], lens[perm], SMOKE.num_heads, gen)
+    levels = cascade_levels(build_plan(bt.block_table, bt.seq_lens, 16), bt.block_table,
+                            bt.seq_lens, 16)
+    assert not levels.is_identity_order()
+    ref, _ = dense_decode_oracle(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
+                                 bt.seq_lens, bt.scale)
+    for fn in (fib.multi_level_cascade(bt, levels, 16), fib.batch_decode(bt, 16)):
+        torch.testing.assert_close(fn().double(), ref, atol=1e-4, rtol=1e-4)
+    fib.warm(torch.float32, torch.device("cpu"))          # the JIT warm-up's calls, end to end

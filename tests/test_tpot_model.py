@@ -1,0 +1,147 @@
+"""`python -m vllm_chunkattn.bench tpot`: the TPOT arithmetic, the linear layers' shapes against
+the models' published parameter counts, bench step's JSON read back, and a CPU smoke run."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_chunkattn.bench.linear_layers import (LayerWeights, decoder_layer_without_attention,
+                                                gemm_shapes, has_qkv_bias, layer_flops,
+                                                layer_weight_count, lm_head, lm_head_weight)
+from vllm_chunkattn.bench.tpot_model import Point, grid_points, measured_steps, predict
+from vllm_chunkattn.model_shapes import SHAPES, attention_shape
+
+
+def test_predict_adds_layers_head_and_the_plan_once():
+    got = predict(layers=4, stock_attention_ms=2.0, custom_attention_ms=0.5, linear_ms=3.0,
+                  head_ms=7.0, plan_ms=1.0)
+    assert got["stock_tpot_ms"] == pytest.approx(4 * (2.0 + 3.0) + 7.0)           # 27
+    assert got["custom_tpot_ms"] == pytest.approx(4 * (0.5 + 3.0) + 7.0 + 1.0)     # 22
+    assert got["predicted_speedup"] == pytest.approx(27 / 22)
+    assert got["stock_attention_share"] == pytest.approx(8 / 27)
+    assert got["custom_attention_share"] == pytest.approx(2 / 22)
+
+
+def test_llama_3_8b_gemms_hold_its_layer_weights():
+    c = SHAPES["llama-3-8b"]
+    assert gemm_shapes(c) == {"qkv_proj": (4096, 4096 + 2 * 1024), "o_proj": (4096, 4096),
+                              "gate_up_proj": (4096, 2 * 14336), "down_proj": (14336, 4096)}
+    per_layer = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336
+    assert layer_weight_count(c) == per_layer
+    assert layer_flops(c, 32) == 2 * 32 * per_layer
+    # with both embeddings: Meta-Llama-3-8B's 8.03 B
+    assert 8.0e9 < 32 * per_layer + 2 * 128256 * 4096 < 8.1e9
+    assert not has_qkv_bias(c)
+
+
+def test_qwen2_5_32b_shape(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from vllm_chunkattn.model_shapes import make_shape_model
+    c = transformers.AutoConfig.from_pretrained(make_shape_model("qwen2.5-32b", tmp_path / "q"))
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (5120, 27648, 64)
+    assert (c.num_attention_heads, c.num_key_value_heads) == (40, 8)
+    assert (c.vocab_size, c.tie_word_embeddings, c.rms_norm_eps) == (152064, False, 1e-5)
+    assert attention_shape("qwen2.5-32b") == (40, 8, 128)
+    head_dim = c.hidden_size // c.num_attention_heads
+    params = 2 * c.vocab_size * c.hidden_size + c.num_hidden_layers * (
+        2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * c.num_key_value_heads * head_dim
+        + 3 * c.hidden_size * c.intermediate_size)
+    assert 32.5e9 < params < 32.8e9              # Qwen2.5-32B: 32.8 B on its model card's page
+    assert layer_weight_count(SHAPES["qwen2.5-32b"]) * c.num_hidden_layers == (
+        params - 2 * c.vocab_size * c.hidden_size)
+    assert has_qkv_bias(SHAPES["qwen2.5-32b"])
+
+
+TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "rms_norm_eps": 1e-6}
+
+
+def test_layer_and_head_run_at_batch_b():
+    weights = LayerWeights.random(TINY, torch.bfloat16, "cpu")
+    assert weights.qkv.shape == (64 + 2 * 32, 64) and weights.qkv_bias.shape == (128,)
+    out = decoder_layer_without_attention(TINY, weights, batch=3)()
+    assert out.shape == (3, 64) and out.dtype == torch.bfloat16 and out.isfinite().all()
+    ids = lm_head(TINY, lm_head_weight(TINY, torch.bfloat16, "cpu"), batch=3)()
+    assert ids.shape == (3,) and 0 <= int(ids.min()) and int(ids.max()) < 50
+
+
+def test_grid_points_prompt_is_shared_plus_private_unless_given():
+    assert grid_points(["m"], [2], [0, 64], None, 16) == [Point("m", 2, 16, 0),
+                                                          Point("m", 2, 80, 64)]
+    assert grid_points(["m"], [2], [0, 64], 128, 16) == [Point("m", 2, 144, 0),
+                                                         Point("m", 2, 144, 64)]
+
+
+def _step_rows(shared_ms: dict[int, tuple[float, float]], engine="in-process", batch=2,
+               private=16, dtype="bfloat16"):
+    return [dict(model="models/llama-3.2-1b", dtype=dtype, system=system, shared=shared,
+                 private=private, batch=batch, steps=9, engine=engine, step_ms=ms)
+            for shared, pair in shared_ms.items() for system, ms in zip(("stock", "custom"), pair)]
+
+
+def test_measured_steps_reads_one_engine(tmp_path):
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(_step_rows({0: (100.0, 101.0), 64: (120.0, 110.0)})
+                               + _step_rows({0: (999.0, 999.0)}, engine="multiprocess")))
+    dtype, steps = measured_steps(path, "in-process")
+    assert dtype == "bfloat16"
+    assert steps == {Point("llama-3.2-1b", 2, 16, 0): {"stock": 100.0, "custom": 101.0},
+                     Point("llama-3.2-1b", 2, 80, 64): {"stock": 120.0, "custom": 110.0}}
+    path.write_text(json.dumps(_step_rows({0: (1.0, 1.0)})
+                               + _step_rows({64: (1.0, 1.0)}, dtype="float32")))
+    with pytest.raises(ValueError):
+        measured_steps(path, "in-process")
+
+
+@pytest.mark.vllm
+def test_cpu_check_smoke(tmp_path):
+    pytest.importorskip("vllm")
+    step = tmp_path / "step.json"
+    step.write_text(json.dumps(_step_rows({0: (150.0, 151.0), 64: (160.0, 155.0)})))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench", "tpot", "--check",
+                           str(step), "--reps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "tpot_cpu.csv")))
+    assert [(int(r["shared"]), int(r["prompt"]), int(r["batch"])) for r in rows] == [
+        (0, 16, 2), (64, 80, 2)]
+    measured = {0: (150.0, 151.0), 64: (160.0, 155.0)}
+    for r in rows:
+        f = {k: float(v) for k, v in r.items() if k not in (
+            "shape", "dtype", "stock_attention")}
+        assert r["shape"] == "llama-3.2-1b" and f["layers"] == 16 and f["block"] == 64
+        assert r["stock_attention"].startswith("vLLM CPU_ATTN")
+        assert min(f["stock_attention_ms"], f["custom_attention_ms"], f["linear_ms"],
+                   f["head_ms"], f["plan_ms"]) > 0
+        assert f["stock_tpot_ms"] == pytest.approx(
+            16 * (f["stock_attention_ms"] + f["linear_ms"]) + f["head_ms"])
+        assert f["custom_tpot_ms"] == pytest.approx(
+            16 * (f["custom_attention_ms"] + f["linear_ms"]) + f["head_ms"] + f["plan_ms"])
+        stock, custom = measured[int(r["shared"])]
+        assert (f["measured_stock_ms"], f["measured_custom_ms"]) == (stock, custom)
+        assert f["residual_stock_ms"] == pytest.approx(stock - f["stock_tpot_ms"])
+        assert f["residual_custom_ms"] == pytest.approx(custom - f["custom_tpot_ms"])
+        assert f["measured_speedup"] == pytest.approx(stock / custom)
+    md = (out / "tpot_cpu.md").read_text()
+    assert md.count("Command: `python -m vllm_chunkattn.bench tpot --check") == 1
+    assert "## Predicted vs measured" in md and "torch.set_num_threads(" in md
+    assert (out / "tpot_cpu.png").stat().st_size > 0
+
+
+def test_cuda_stock_without_flashinfer_is_our_empty_plan_labelled_so(monkeypatch):
+    """Where FlashInfer cannot be imported, stock's CUDA stand-in is our op with the empty plan
+    (run here on CPU tensors: only the choice is under test)."""
+    import vllm_chunkattn.bench.tpot_model as tpot
+    from vllm_chunkattn.bench.kernel import KvPool
+
+    def no_flashinfer(bt):
+        raise ImportError("No module named 'flashinfer'")
+    monkeypatch.setattr(tpot, "flashinfer_decode", no_flashinfer)
+    bt = KvPool(9, 16, 2, 64, torch.float32, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
+    label, stock = tpot.stock_attention(bt, torch.device("cuda"), "")
+    assert "empty plan" in label and "FlashInfer not importable" in label
+    assert stock().shape == bt.query.shape

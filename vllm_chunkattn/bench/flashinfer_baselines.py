@@ -1,0 +1,125 @@
+"""FlashInfer baselines of the GPU kernel grid (flashinfer-python 0.6.x, an optional import).
+
+  batch decode:  BatchDecodeWithPagedKVCacheWrapper, NHD pages, one page list per row (shared
+                 pages repeated in every row that reads them), CUDA-core decode (its default);
+  cascade:       MultiLevelCascadeAttentionWrapper with the levels of cascade_levels.py. It runs one
+                 BatchPrefillWithPagedKVCacheWrapper per level (backend "auto": FA3 on sm_90)
+                 and merges their states with merge_state_in_place. causal=False, which is exact for
+                 one query per row.
+Both read the KV pool in FlashInfer's own paged layout [num_blocks, 2, block, kv_heads, head]
+(KvPool layout "paged_nhd"). Our op reads the K and V halves of the same tensor in place, so
+every contender reads the same bytes. Each contender is a zero-argument callable, planned
+beforehand as an engine would do once per step for all layers.
+
+python -m vllm_chunkattn.bench.flashinfer_baselines --warm float16 bfloat16 builds FlashInfer's
+JIT modules for d = 128 (decode + FA3 prefill) on a tiny batch. A fresh device takes about a
+minute per dtype for this (the FA3 module is ~10 nvcc units). The bench stage runs it first, one
+process per dtype in parallel, so the grid's timings never include a build.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from .cascade_levels import CascadeLevels
+
+WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace
+
+
+def flashinfer_version() -> tuple[str | None, str]:
+    """(version, "") if flashinfer imports, else (None, why not)."""
+    try:
+        import flashinfer
+    except Exception as e:   # ImportError, or a broken install failing on its own imports
+        return None, f"flashinfer not importable: {type(e).__name__}: {e}"
+    return getattr(flashinfer, "__version__", "?"), ""
+
+
+def _pool(bt) -> torch.Tensor:
+    if bt.kv_cache.dim() != 5 or bt.kv_cache.shape[1] != 2:
+        raise ValueError("FlashInfer baselines need the KvPool layout 'paged_nhd'")
+    return bt.kv_cache
+
+
+def _workspace(device) -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def batch_decode(bt, block_size: int):
+    import flashinfer
+    num_seqs, num_heads, head_size = bt.query.shape
+    num_kv_heads = bt.key_cache.shape[2]
+    dev = bt.query.device
+    pages = (-(-bt.seq_lens.long() // block_size)).cpu()
+    indptr = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(pages, 0)
+    table = bt.block_table.cpu()
+    indices = torch.cat([table[i, :int(p)] for i, p in enumerate(pages.tolist())])
+    last = ((bt.seq_lens.cpu() - 1) % block_size + 1).to(torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), "NHD")
+    wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), num_heads, num_kv_heads,
+                 head_size, block_size, q_data_type=bt.query.dtype, kv_data_type=bt.query.dtype,
+                 sm_scale=bt.scale)
+    pool, out = _pool(bt), torch.empty_like(bt.query)
+    return lambda: wrapper.run(bt.query, pool, out=out)
+
+
+def multi_level_cascade(bt, levels: CascadeLevels, block_size: int):
+    import flashinfer
+    _, num_heads, head_size = bt.query.shape
+    num_kv_heads = bt.key_cache.shape[2]
+    dev = bt.query.device
+    wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(levels.num_levels, _workspace(dev),
+                                                           "NHD")
+    wrapper.plan(*levels.tensors(dev), num_heads, num_kv_heads, head_size, block_size,
+                 causal=False, sm_scale=bt.scale, q_data_type=bt.query.dtype,
+                 kv_data_type=bt.query.dtype)
+    pool = _pool(bt)
+    if levels.is_identity_order():
+        return lambda: wrapper.run(bt.query, pool)
+    # Rows not in DFS order: the gather into cascade order and back is part of its cost.
+    order = torch.from_numpy(levels.row_order).to(dev)
+    inverse = torch.from_numpy(np.argsort(levels.row_order)).to(dev)
+    return lambda: wrapper.run(bt.query[order], pool)[inverse]
+
+
+def warm(dtype: torch.dtype, device: torch.device = torch.device("cuda")) -> None:
+    """Plan and run both wrappers once on a tiny tree, which JIT-builds their modules."""
+    from ..plan import build_plan
+    from .cascade_levels import cascade_levels
+    from .kernel import KvPool
+    from .kernel_trees import SMOKE, rollouts, tree_block_table
+    point = rollouts("warm", "warm", SMOKE, 2, 2, (32, 32), (0, 20), seed=0)
+    pool = KvPool(1 + point.blocks_needed(), SMOKE.block_size, SMOKE.num_kv_heads,
+                  SMOKE.head_size, dtype, device, "paged_nhd")
+    gen = torch.Generator().manual_seed(0)
+    table, lens = tree_block_table(point, pool.kv_cache.shape[0], gen)
+    bt = pool.from_table(table, lens, SMOKE.num_heads, gen)
+    plan = build_plan(table, lens, SMOKE.block_size)
+    batch_decode(bt, SMOKE.block_size)()
+    multi_level_cascade(bt, cascade_levels(plan, table, lens, SMOKE.block_size),
+                        SMOKE.block_size)()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--warm", nargs="+", choices=("float16", "bfloat16"), required=True,
+                   help="dtypes to JIT-build FlashInfer's d=128 decode and prefill modules for")
+    args = p.parse_args(argv)
+    version, why = flashinfer_version()
+    if version is None:
+        print(why)
+        return 1
+    for name in args.warm:
+        warm(getattr(torch, name))
+        print(f"flashinfer {version}: {name} modules ready", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

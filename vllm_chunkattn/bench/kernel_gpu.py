@@ -1,0 +1,241 @@
+"""python -m vllm_chunkattn.bench kernel --device cuda --grid {gpu,paper,llama8b,rl,fewshot}: our
+TPP op on tree-shaped decode batches (kernel_trees.py) against, in the same run and on the same
+KV bytes:
+  empty_plan   our op with no plan: paged decode without prefix awareness;
+  fi_decode    FlashInfer BatchDecodeWithPagedKVCacheWrapper (no sharing);
+  fi_cascade   FlashInfer MultiLevelCascadeAttentionWrapper, levels from the tree
+               (cascade_levels.py);
+  sdpa         torch SDPA per sequence (gather, one call per row), for up to SDPA_MAX_ROWS rows.
+Ours is timed twice: as called ("ours") and as a CUDA-graph replay of the same call
+("ours_graph"). The graph is captured with the plan in static device buffers, as
+tests/test_ops_cuda.py::test_cuda_graph_replay does.
+
+Every output is checked against the fp32 per-sequence reference (tpp_decode_reference with the
+empty plan: it knows nothing of the tree) before anything is timed. A contender that disagrees is
+reported as a mismatch and not timed. If ours disagrees, the run exits 1.
+Timing: kernel.Timer (L2 flushed before every repeat, CUDA events, median). The HBM bandwidth
+and the fp16 / bf16 GEMM peaks are measured once at the start (roofline.py). The chunk-first
+phase alone is timed with the torch profiler: the kernel time of tpp_partial_kernel with
+CHUNKATTN_SEQ_SPLITS=1, which leaves that launch only the chunk-first CTAs. --grid smoke
+also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be tested anywhere.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from ..ops.reference import tpp_decode_reference
+from ..plan import build_plan, empty_plan
+from . import provenance
+from .cascade_levels import cascade_levels
+from .flashinfer_baselines import batch_decode, flashinfer_version, multi_level_cascade
+from .kernel import KvPool, Timer, ours, sdpa_per_sequence
+from .kernel_gpu_report import write_report
+from .kernel_trees import ALL_GPU, GRIDS, describe, pool_blocks, tree_block_table
+from .roofline import (chunk_first_flops, chunk_first_rows, copy_bytes, gemm_size,
+                       kv_bytes_per_token, measure_gemm_tflops, measure_hbm_bandwidth, roofline_us,
+                       unique_kv_tokens)
+
+SDPA_MAX_ROWS = 32        # one SDPA call per row: past this it only adds minutes
+CONTENDERS = ("ours", "ours_graph", "empty_plan", "fi_decode", "fi_cascade", "sdpa")
+BASELINES = ("empty_plan", "fi_decode", "fi_cascade", "sdpa")
+OURS = ("ours", "ours_graph", "empty_plan")      # our kernel: a mismatch fails the run
+
+
+def cuda_graph(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
+    """Median kernel time of the chunk-first launch in µs, or (nan, why not)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    saved = os.environ.get("CHUNKATTN_SEQ_SPLITS")
+    os.environ["CHUNKATTN_SEQ_SPLITS"] = "1"     # the op reads it on every call
+    try:
+        fn()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                timer.flush.zero_()
+                fn()
+            torch.cuda.synchronize()
+        times = [e.time_range.elapsed_us() for e in prof.events()
+                 if e.device_type == DeviceType.CUDA and "tpp_partial_kernel" in e.name]
+    except Exception as e:                       # a profiler without CUPTI: report, carry on
+        return math.nan, f"chunk-first profile failed: {type(e).__name__}: {e}"
+    finally:
+        if saved is None:
+            os.environ.pop("CHUNKATTN_SEQ_SPLITS", None)
+        else:
+            os.environ["CHUNKATTN_SEQ_SPLITS"] = saved
+    if not times:
+        return math.nan, "no tpp_partial_kernel in the profile (kernel renamed or fused?)"
+    return statistics.median(times), ""
+
+
+def _is_build_failure(e: Exception) -> bool:
+    """A FlashInfer JIT build that failed fails the same way on every point, and each retry
+    costs minutes of nvcc: such a failure drops that baseline for the rest of the run."""
+    text = str(e).lower()
+    return any(word in text for word in ("ninja", "nvcc", "build", "compil"))
+
+
+def make_contenders(bt, plan, levels, block_size: int, device, fi_why: str,
+                    fi_broken: dict):
+    """name -> callable, and name -> why it is not there. fi_broken: (name, dtype) -> the build
+    failure that dropped that FlashInfer baseline, filled here."""
+    fns, missing = {"ours": ours(bt, plan)}, {}
+    if device.type == "cuda":
+        fns["ours_graph"] = cuda_graph(ours(bt, plan))
+    else:
+        missing["ours_graph"] = "CUDA only"
+    fns["empty_plan"] = ours(bt, empty_plan(bt.query.shape[0]))
+    for name, make in (("fi_decode", lambda: batch_decode(bt, block_size)),
+                       ("fi_cascade", lambda: multi_level_cascade(bt, levels, block_size))):
+        key = (name, bt.query.dtype)
+        if fi_why or key in fi_broken:
+            missing[name] = fi_why or fi_broken[key]
+            continue
+        try:
+            fns[name] = make()
+        except Exception as e:                   # a plan FlashInfer refuses: say why, carry on
+            first_line = (str(e).strip().splitlines() or [""])[0][:120]
+            missing[name] = f"{type(e).__name__}: {first_line}"
+            if _is_build_failure(e):
+                fi_broken[key] = f"JIT build failed on an earlier point: {missing[name]}"
+    if bt.query.shape[0] <= SDPA_MAX_ROWS:
+        fns["sdpa"] = sdpa_per_sequence(bt)
+    else:
+        missing["sdpa"] = f"not timed past {SDPA_MAX_ROWS} rows"
+    return fns, missing
+
+
+def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args,
+              fi_why: str, fi_broken: dict) -> dict:
+    shape, bs = point.shape, point.shape.block_size
+    device = pool.kv_cache.device
+    gen = torch.Generator().manual_seed(seed)
+    table, lens = tree_block_table(point, pool.kv_cache.shape[0], gen)
+    bt = pool.from_table(table, lens, shape.num_heads, gen)
+    plan = build_plan(table, lens, bs)
+    levels = cascade_levels(plan, table, lens, bs)
+    fns, missing = make_contenders(bt, plan, levels, bs, device, fi_why, fi_broken)
+    expect = tpp_decode_reference(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
+                                  bt.seq_lens, empty_plan(point.num_rows), bt.scale).float()
+    ours_ok = True
+    for name in list(fns):                       # every contender computes the same, or it drops
+        try:
+            got = fns[name]().float()
+        except Exception as e:
+            if name in OURS:
+                raise
+            missing[name] = f"failed: {type(e).__name__}: {str(e).strip()[:120]}"
+            del fns[name]
+            continue
+        try:
+            torch.testing.assert_close(got, expect, atol=args.tol, rtol=args.tol)
+        except AssertionError:
+            err = (got - expect).abs().max().item()
+            missing[name] = f"mismatch vs the reference: max abs err {err:.3g}"
+            if name == "fi_cascade" and levels.num_empty_groups:
+                missing[name] += f" ({levels.num_empty_groups} empty groups padding the levels)"
+            ours_ok &= name not in OURS
+            del fns[name]
+    row = dict(grid=point.grid, point=point.label, shape=str(shape), rows=point.num_rows,
+               nodes=plan.num_nodes, levels=levels.num_levels,
+               empty_groups=levels.num_empty_groups, tree=describe(point))
+    for name in CONTENDERS:
+        row[f"{name}_us"] = (round(timer(fns[name], args.reps) * 1e3, 1) if name in fns
+                             else math.nan)
+    dtype = getattr(torch, shape.dtype)
+    unique_bytes = unique_kv_tokens(table, lens, bs) * kv_bytes_per_token(
+        shape.num_kv_heads, shape.head_size, dtype)
+    row["unique_kv_MB"] = round(unique_bytes / 1e6, 2)
+    row["roofline_us"] = round(roofline_us(unique_bytes, ceilings["hbm_GBs"]), 2)
+    for name in BASELINES:
+        row[f"x_{name}"] = round(row[f"{name}_us"] / row["ours_us"], 2)
+    row["pct_roofline"] = round(100 * row["roofline_us"] / row["ours_us"], 1)
+    flops = chunk_first_flops(plan, shape.num_heads, shape.head_size, bs)
+    row["cf_rows"] = chunk_first_rows(plan, shape.num_heads, shape.num_kv_heads)
+    row["cf_GFLOP"] = round(flops / 1e9, 3)
+    cf_us, why = math.nan, "no shared node"
+    if flops and device.type == "cuda" and "ours" in fns:
+        cf_us, why = chunk_first_kernel_us(fns["ours"], timer, args.reps)
+    elif flops:
+        why = "chunk-first kernel time: CUDA only"
+    row["cf_us"] = round(cf_us, 1)
+    row["cf_TFLOPs"] = round(flops / (cf_us * 1e-6) / 1e12, 1)
+    row["cf_pct_peak"] = round(100 * row["cf_TFLOPs"] / ceilings[f"gemm_TFLOPs_{shape.dtype}"], 1)
+    notes = [f"{k}: {v}" for k, v in missing.items()
+             if not v.startswith(("CUDA only", "not timed"))]
+    row["notes"] = "; ".join(notes + ([why] if why and flops else []))
+    row["ours_ok"] = ours_ok
+    return row
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    return {"copy_MiB": copy_bytes(device) >> 20, "gemm_n": gemm_size(device),
+            "hbm_GBs": round(measure_hbm_bandwidth(device), 1),
+            "gemm_TFLOPs_float16": round(measure_gemm_tflops(device, torch.float16), 1),
+            "gemm_TFLOPs_bfloat16": round(measure_gemm_tflops(device, torch.bfloat16), 1)}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return provenance.machine()
+
+
+def run_tree_grids(args, command: str) -> int:
+    device = torch.device(args.device)
+    grids = ALL_GPU if args.grid == "gpu" else (args.grid,)
+    fi_version, fi_why = flashinfer_version() if device.type == "cuda" else (None, "CUDA only")
+    timer = Timer(device)
+    t0 = time.time()
+    ceilings = measure_ceilings(device)
+    meta = dict(command=command, device=device_name(device), torch=torch.__version__,
+                flashinfer=fi_version or fi_why, commit=provenance.git_commit(),
+                reps=args.reps, tol=args.tol, **ceilings)
+    print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
+    rows: list[dict] = []
+    fi_broken: dict = {}
+    stem = f"kernel_{device.type}_{args.grid}"
+    for grid in grids:
+        points = GRIDS[grid]()
+        shapes = {p.shape for p in points}
+        for shape in sorted(shapes, key=str):    # one pool per shape, sized for its largest point
+            of_shape = [p for p in points if p.shape == shape]
+            pool = KvPool(pool_blocks(of_shape), shape.block_size, shape.num_kv_heads,
+                          shape.head_size, getattr(torch, shape.dtype), device, "paged_nhd")
+            for i, point in enumerate(of_shape):
+                row = run_point(point, pool, seed=i, timer=timer, ceilings=ceilings, args=args,
+                                fi_why=fi_why, fi_broken=fi_broken)
+                rows.append(row)
+                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            del pool
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.out is not None:                 # after every grid: a cut run keeps what it had
+            meta["wall_s"] = round(time.time() - t0)
+            write_report(rows, meta, args.out, stem)
+    bad = [r["point"] for r in rows if not r["ours_ok"]]
+    if bad:
+        print(f"OURS DISAGREES WITH THE REFERENCE on: {bad}", flush=True)
+    return 1 if bad else 0

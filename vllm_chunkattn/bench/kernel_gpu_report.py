@@ -1,0 +1,187 @@
+"""The GPU kernel grid's results: <stem>.csv (every column), <stem>.md (the device, its measured
+ceilings, the issue's goals checked against the numbers, one table per grid) and <stem>.png
+(one panel per grid: µs per contender and the roofline, log scale)."""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from .kernel_trees import ALL_GPU
+
+GRID_TITLES = {
+    "paper": "The paper's Table 3 (b = 32, 32/32 heads, d 128, fp16, chunk 64; n_p prompt + 1 new "
+             "token per row, the first n_s shared by all)",
+    "llama8b": "Llama-3-8B decode (32/8 heads, d 128, bf16, block 16): one prefix of P tokens "
+               "shared by all b rows, S private tokens per row",
+    "rl": "RL rollouts (Llama-3-8B shape): G prompts x n samples, each prompt shared by its "
+          "samples; gen = private generated tokens per sample (+ the new one)",
+    "fewshot": "Nested few-shot trees (Llama-3-8B shape): system > few-shot block > question > "
+               "samples",
+    "smoke": "Smoke points (tiny; a pipeline check, not a benchmark)",
+}
+TABLE = [("point", "point"), ("rows", "rows"), ("levels", "cascade levels"),
+         ("unique_kv_MB", "unique KV MB"), ("roofline_us", "roofline µs"), ("ours_us", "ours µs"),
+         ("ours_graph_us", "ours graph µs"), ("empty_plan_us", "empty plan µs"),
+         ("fi_decode_us", "FI decode µs"), ("fi_cascade_us", "FI cascade µs"),
+         ("sdpa_us", "SDPA µs"), ("x_empty_plan", "x empty plan"),
+         ("x_fi_decode", "x FI decode"), ("x_fi_cascade", "x FI cascade"), ("x_sdpa", "x SDPA"),
+         ("pct_roofline", "% roofline"), ("cf_rows", "cf rows/kv head"), ("cf_us", "cf µs"),
+         ("cf_TFLOPs", "cf TFLOP/s"), ("cf_pct_peak", "cf % peak")]
+CASCADE_LIMITS = """\
+What the cascade's levels can and cannot express (`cascade_levels.py`): level k holds each
+row's k-th shared node, and its group is the node's sharers. The last level holds each row's
+private tail on its own. The levels are positional, so a row with fewer shared nodes than the
+deepest row (the `uneven` few-shot point) gets an empty group (0 pages, kv_len 0) at each level
+it lacks. That is exact because FlashInfer's FA3 path writes out 0 and lse -inf for kv_len 0,
+and the check before timing confirms it on every point (`empty groups` in the CSV). Groups must
+be contiguous rows, and the generators emit rows in DFS order of the tree, so no reordering is
+timed. Only whole pages are shared, as in our plan. Every level costs one launch over all rows
+plus one merge pass. The cascade is timed without a CUDA graph, but the L2 flush before each
+repeat gives the host time to queue its launches, so the events time the GPU work."""
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "n/a" if math.isnan(v) else f"{v:g}"
+    return str(v)
+
+
+def _finite(values):
+    return [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """The issue's goals, each checked against the rows that define it (absent rows: not run)."""
+    def pick(pred):
+        return [r for r in rows if pred(r)]
+
+    def check(name, selected, key, bound, worst=min):
+        vals = _finite(r[key] for r in selected)
+        if not vals:
+            return f"- {name}: not measured in this run"
+        got = worst(vals)
+        ok = got >= bound
+        return (f"- {name}: {'met' if ok else 'NOT met'}, worst {got:g} over {len(vals)} "
+                f"point(s) (goal >= {bound:g})")
+    anchor = pick(lambda r: r["grid"] == "paper" and r["point"] == "n_p=4096 n_s=4096")
+    trees = pick(lambda r: r["grid"] in ("rl", "fewshot"))
+    single = pick(lambda r: r["grid"] in ("paper", "llama8b") and r["nodes"] == 1)
+    nothing = pick(lambda r: r["grid"] in ("paper", "llama8b") and r["nodes"] == 0)
+    bound = pick(lambda r: r["cf_rows"] >= 256)
+    return [
+        check("% of the HBM roofline at the paper shape n_s = n_p = 4096", anchor,
+              "pct_roofline", 70),
+        check("speed-up over our own empty-plan paged decode there", anchor, "x_empty_plan", 20),
+        check("speed-up over FlashInfer cascade on the tree batches (rl, fewshot)", trees,
+              "x_fi_cascade", 1.3),
+        check("speed-up over FlashInfer cascade with one shared prefix", single, "x_fi_cascade",
+              1.0),
+        check("speed-up over FlashInfer decode with nothing shared", nothing, "x_fi_decode", 0.95),
+        check("chunk-first % of the measured GEMM peak when compute-bound (rows/kv head >= 256)",
+              bound, "cf_pct_peak", 50),
+    ]
+
+
+def disagreement_lines(rows: list[dict]) -> list[str]:
+    bad = [r["point"] for r in rows if not r["ours_ok"]]
+    if not bad:
+        return []
+    return [f"**Our op disagreed with the reference on: {bad}** (not timed there).", ""]
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# TPP decode on tree batches vs FlashInfer: {meta['device']}", "",
+             f"Command: `{meta['command']}`  ", f"Device: {meta['device']}; torch {meta['torch']}; "
+             f"flashinfer {meta['flashinfer']}; commit {meta['commit']}; "
+             f"wall {meta.get('wall_s', '?')} s", "",
+             f"Measured once in this run: HBM bandwidth {meta['hbm_GBs']} GB/s (a "
+             f"{meta['copy_MiB']} MiB device-to-device copy, read + write bytes / time, median); "
+             f"dense {meta['gemm_n']}^3 torch.matmul "
+             f"{meta['gemm_TFLOPs_bfloat16']} TFLOP/s bf16, {meta['gemm_TFLOPs_float16']} "
+             f"TFLOP/s fp16.", "",
+             *disagreement_lines(rows),
+             "## Goals (issue #9)", "", *goal_lines(rows), "",
+             "## Method", "",
+             f"One layer, one decode step. Times are µs, the median of up to {meta['reps']} "
+             "repeats after a warm-up, each timed with CUDA events after a 256 MB write that "
+             "flushes L2 (on a CPU, smoke only: wall clock). `ours` is our op as a layer calls "
+             "it (TppLaunch built beforehand). "
+             "`ours graph` replays the same call from a CUDA graph. `empty plan` is our op with "
+             "no plan (paged decode, no prefix awareness). `FI decode` is FlashInfer "
+             "BatchDecodeWithPagedKVCacheWrapper. `FI cascade` is FlashInfer "
+             "MultiLevelCascadeAttentionWrapper with one level per tree depth plus the private "
+             "level. `SDPA` is torch SDPA per sequence (only up to 32 rows). All of them read "
+             "the same KV pool: FlashInfer's NHD pages, with our op reading the K and V halves "
+             "in place. Before timing, every output is checked against an fp32 per-sequence "
+             f"reference that knows nothing of the tree (atol = rtol = {meta['tol']}). A "
+             "contender that disagrees is shown as n/a, with the reason in the notes. "
+             "x <baseline> = baseline µs / ours µs.", "",
+             "- unique KV MB: each KV token of the batch counted once (the sum over distinct "
+             "blocks of the tokens used, i.e. P + B*S for one prefix), x 2 (K, V) x kv heads x "
+             "head size x dtype bytes. roofline µs = unique bytes / measured HBM bandwidth; "
+             "% roofline = roofline µs / ours µs.",
+             "- cf (chunk-first): the shared nodes' work, 4 x sharers x node tokens x q heads x "
+             "head size FLOPs summed over nodes. cf µs is the kernel time of tpp_partial_kernel "
+             "under the torch profiler with CHUNKATTN_SEQ_SPLITS=1, which leaves that launch "
+             "only the chunk-first CTAs (same flush, median). cf % peak is relative to the "
+             "measured GEMM peak of the point's dtype. cf rows/kv head = the widest node's "
+             "sharers x q heads per kv head, the height of its GEMMs. The issue's "
+             "'G·n·GQA rows >= 256' is read per node (n·GQA for a rollout group): a node's KV is "
+             "read once for its own sharers only, so its FLOPs per byte grow with its own rows, "
+             "not with G.", "",
+             CASCADE_LIMITS, ""]
+    for grid in [g for g in (*ALL_GPU, "smoke") if any(r["grid"] == g for r in rows)]:
+        sub = [r for r in rows if r["grid"] == grid]
+        lines += [f"## {grid}: {GRID_TITLES[grid]}", "", f"Shape: {sub[0]['shape']}", "",
+                  "| " + " | ".join(title for _, title in TABLE) + " |",
+                  "|" + "|".join("---" for _ in TABLE) + "|"]
+        lines += ["| " + " | ".join(_fmt(r[key]) for key, _ in TABLE) + " |" for r in sub]
+        notes = [f"- {r['point']} ({r['tree']}): {r['notes']}" for r in sub if r["notes"]]
+        lines += ["", *(["Notes:", *notes, ""] if notes else [])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    grids = [g for g in (*ALL_GPU, "smoke") if any(r["grid"] == g for r in rows)]
+    fig, axes = plt.subplots(1, len(grids), figsize=(6 * len(grids), 5.5), squeeze=False)
+    series = [("ours_us", "ours", "o-"), ("ours_graph_us", "ours graph", "o:"),
+              ("empty_plan_us", "empty plan", "s-"), ("fi_decode_us", "FI decode", "^-"),
+              ("fi_cascade_us", "FI cascade", "v-"), ("sdpa_us", "SDPA", "x-"),
+              ("roofline_us", "HBM roofline", "k--")]
+    for ax, grid in zip(axes[0], grids):
+        sub = [r for r in rows if r["grid"] == grid]
+        x = list(range(len(sub)))
+        for key, label, style in series:
+            ys = [r[key] for r in sub]
+            if _finite(ys):
+                ax.plot(x, ys, style, label=label, ms=4, lw=1)
+        ax.set_yscale("log")
+        ax.set_xticks(x)
+        ax.set_xticklabels([r["point"] for r in sub], rotation=90, fontsize=6)
+        ax.set_ylabel("µs per layer (median, cold L2)")
+        ax.set_title(f"{grid}: {sub[0]['shape']}", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"TPP decode vs FlashInfer\n{meta['device']}, HBM {meta['hbm_GBs']} GB/s "
+                 f"measured", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(rows: list[dict], meta: dict, out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / f"{stem}.md").write_text(markdown(rows, meta))
+    plot(rows, meta, out_dir / f"{stem}.png")
