@@ -185,6 +185,20 @@ def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm
     assert builder.plans.num_builds == 2 and builder.graph_plans[n][0].num_builds == 3
 
 
+def test_vllm_keeps_full_decode_graphs_with_custom():
+    """What the declared support buys: vLLM's default FULL_AND_PIECEWISE mode stays as it is, so
+    decode steps replay FULL graphs with our attention inside (mixed batches: PIECEWISE)."""
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    support = backend.ChunkAttnBackend.get_builder_cls()._cudagraph_support
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                               cudagraph_capture_sizes=[1, 2, 4, 8])
+    mode = config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM", 1, max_num_reqs=8)
+    assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert mode.decode_mode() == CUDAGraphMode.FULL and mode.mixed_mode() == CUDAGraphMode.PIECEWISE
+
+
 def _rows(plan, rows):
     """The plan of the first `rows` rows of a padded one (the batch's query holds only those;
     the padding rows have no partials)."""
