@@ -1,14 +1,16 @@
 """FlashInfer baselines of the GPU kernel grid (flashinfer-python 0.6.x, an optional import).
 
   batch decode:  BatchDecodeWithPagedKVCacheWrapper, NHD pages, one page list per row (shared
-                 pages repeated in every row that reads them), CUDA-core decode (its default);
+                 pages repeated in every row that reads them), on tensor cores as vLLM's
+                 FLASHINFER backend runs it (use_tensor_cores=True);
   cascade:       MultiLevelCascadeAttentionWrapper with the levels of cascade_levels.py. It runs one
                  BatchPrefillWithPagedKVCacheWrapper per level (backend "auto": FA3 on sm_90)
                  and merges their states with merge_state_in_place. causal=False, which is exact for
                  one query per row.
 Both read the KV pool in FlashInfer's own paged layout [num_blocks, 2, block, kv_heads, head]
 (KvPool layout "paged_nhd"). Our op reads the K and V halves of the same tensor in place, so
-every contender reads the same bytes. Each contender is a zero-argument callable, planned
+every contender reads the same bytes. (Batch decode also takes any other pool, as dense K and V
+copies: bench kernel's goal grid and bench tpot use vLLM's flash layout.) Each contender is a zero-argument callable, planned
 beforehand as an engine would do once per step for all layers.
 
 python -m vllm_chunkattn.bench.flashinfer_baselines --warm float16 bfloat16 builds FlashInfer's
@@ -59,12 +61,15 @@ def batch_decode(bt, block_size: int):
     table = bt.block_table.cpu()
     indices = torch.cat([table[i, :int(p)] for i, p in enumerate(pages.tolist())])
     last = ((bt.seq_lens.cpu() - 1) % block_size + 1).to(torch.int32)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), "NHD")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), "NHD",
+                                                            use_tensor_cores=True)
     wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), num_heads, num_kv_heads,
                  head_size, block_size, q_data_type=bt.query.dtype, kv_data_type=bt.query.dtype,
                  sm_scale=bt.scale)
-    pool, out = _pool(bt), torch.empty_like(bt.query)
-    return lambda: wrapper.run(bt.query, pool, out=out)
+    paged = bt.kv_cache.dim() == 5 and bt.kv_cache.shape[1] == 2
+    kv = _pool(bt) if paged else (bt.key_cache.contiguous(), bt.value_cache.contiguous())
+    out = torch.empty_like(bt.query)
+    return lambda: wrapper.run(bt.query, kv, out=out)
 
 
 def multi_level_cascade(bt, levels: CascadeLevels, block_size: int):

@@ -175,21 +175,9 @@ def _vllm_split_kv() -> bool:
 
 
 def flashinfer_decode(bt: Batch):
-    """FlashInfer's paged batch decode (no prefix awareness) on an NHD copy of the cache."""
-    import flashinfer
-    num_seqs, num_heads, head_size = bt.query.shape
-    block_size, num_kv_heads = bt.key_cache.shape[1], bt.key_cache.shape[2]
-    pages = -(-bt.seq_lens.long() // block_size)
-    indptr = torch.zeros(num_seqs + 1, dtype=torch.int32, device=bt.query.device)
-    indptr[1:] = torch.cumsum(pages, 0)
-    indices = torch.cat([bt.block_table[i, :int(p)] for i, p in enumerate(pages.tolist())])
-    last = ((bt.seq_lens - 1) % block_size + 1).to(torch.int32)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(128 << 20, dtype=torch.uint8, device=bt.query.device), "NHD")
-    wrapper.plan(indptr, indices, last, num_heads, num_kv_heads, head_size, block_size,
-                 q_data_type=bt.query.dtype, kv_data_type=bt.query.dtype)
-    k, v = bt.key_cache.contiguous(), bt.value_cache.contiguous()
-    return lambda: wrapper.run(bt.query, (k, v))
+    """FlashInfer's paged batch decode (no prefix awareness): flashinfer_baselines.batch_decode."""
+    from .flashinfer_baselines import batch_decode
+    return batch_decode(bt, bt.key_cache.shape[1])
 
 
 # ---- timing
