@@ -145,3 +145,17 @@ def test_cuda_stock_without_flashinfer_is_our_empty_plan_labelled_so(monkeypatch
     label, stock = tpot.stock_attention(bt, torch.device("cuda"), "")
     assert "empty plan" in label and "FlashInfer not importable" in label
     assert stock().shape == bt.query.shape
+
+
+@pytest.mark.parametrize("out_features,bias", [(2048, False), (3072, True), (16, False)])
+def test_linear_op_is_vllms_cpu_gemm_and_computes_x_wt_plus_b(out_features, bias):
+    # The CPU prediction times projections through vLLM's own dispatch (oneDNN on prepacked
+    # weights; its small-GEMM kernel for a small N): it must compute what F.linear does.
+    pytest.importorskip("vllm")
+    from vllm_chunkattn.bench.linear_layers import linear_op
+    g = torch.Generator().manual_seed(out_features)
+    w = (torch.randn(out_features, 512, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(32, 512, generator=g).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(linear_op(w, b)(x).float(), want, atol=0.05, rtol=0.02)
