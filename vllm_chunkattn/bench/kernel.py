@@ -116,18 +116,6 @@ def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     return _get_attn_isa(dtype, block_size, head_size)
 
 
-def torch_gemm_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    """torch's own large-GEMM rate (n^3, median of reps) on this machine, in this run."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n ** 3 / statistics.median(times) / 1e9
-
-
 def sdpa_per_sequence(bt: Batch):
     """Naive: gather each sequence's KV, one SDPA call per sequence (GQA by the op)."""
     bs = bt.key_cache.shape[1]
@@ -385,8 +373,11 @@ def main(argv=None) -> int:
         p.error("--device cuda needs a CUDA GPU")
     if args.layers is None:
         args.layers = (SHAPES[args.model_shape]["num_hidden_layers"] if args.model_shape else 16)
-    args.gemm_gflops = (torch_gemm_gflops(getattr(torch, args.dtype)) if args.device == "cpu"
-                        else float("nan"))
+    from .roofline import measure_gemm_tflops      # (it imports this module)
+    # torch's own 2048^3 GEMM rate on this CPU in this run: what ours_vs_torch_gemm divides by
+    args.gemm_gflops = (1e3 * measure_gemm_tflops(torch.device("cpu"), getattr(torch, args.dtype),
+                                                  n=2048, reps=5)
+                        if args.device == "cpu" else float("nan"))
     rows = run_grid(args)
     if args.out is not None:
         write_results(rows, args, args.out, command)

@@ -14,13 +14,11 @@ chunk-first FLOPs: the work of the shared nodes, 4 * sharers * tokens * num_head
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 import torch
 
 from ..plan import TppPlan
+from .kernel import Timer
 
 
 def unique_kv_tokens(block_table, seq_lens, block_size: int) -> int:
@@ -58,24 +56,6 @@ def chunk_first_rows(plan: TppPlan, num_heads: int, num_kv_heads: int) -> int:
     return int(sharers.max()) * (num_heads // num_kv_heads) if sharers.size else 0
 
 
-def _median_seconds(fn, reps: int, device: torch.device) -> float:
-    fn()                                                   # warm-up (cuBLAS heuristics, pages)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def copy_bytes(device: torch.device) -> int:
     """2 GiB on a GPU, far past its L2, so a copy streams from and to HBM (256 MiB on a CPU)."""
     return (2 << 30) if device.type == "cuda" else (256 << 20)
@@ -86,11 +66,12 @@ def gemm_size(device: torch.device) -> int:
 
 
 def measure_hbm_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 10) -> float:
-    """GB/s of a device-to-device copy of copy_bytes (read + write bytes / time, median)."""
+    """GB/s of a device-to-device copy of copy_bytes (read + write bytes / time; kernel.Timer's
+    median after a warm-up)."""
     nbytes = nbytes or copy_bytes(device)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), reps, device)
+    seconds = Timer(device)(lambda: dst.copy_(src), reps) / 1e3
     del src, dst
     return 2 * nbytes / seconds / 1e9
 
@@ -101,5 +82,5 @@ def measure_gemm_tflops(device: torch.device, dtype: torch.dtype, n: int | None 
     n = n or gemm_size(device)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _median_seconds(lambda: a @ b, reps, device)
+    seconds = Timer(device)(lambda: a @ b, reps) / 1e3
     return 2.0 * n ** 3 / seconds / 1e12
