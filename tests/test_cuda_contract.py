@@ -53,6 +53,52 @@ def test_jit_refuses_below_sm80(monkeypatch, env, capability):
         jit_build.arch_list()
 
 
+def _fake_toolkit(tmp_path: Path) -> Path:
+    """A toolkit with a runtime library, and on PATH only a wrapper script exec'ing its nvcc
+    (the layout of this project's CPU machines), which answers --dryrun as nvcc does."""
+    root = tmp_path / "cuda-13.0"
+    (root / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    (root / "lib" / "libcudart.so").touch()
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho '#$ _HERE_={root}/bin' >&2\necho '#$ TOP={root}/bin/..' >&2\n")
+    wrapper = tmp_path / "wrapper_bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {nvcc} "$@"\n')
+    for f in (nvcc, wrapper):
+        f.chmod(0o755)
+    return root
+
+
+@pytest.mark.parametrize("user_env", [None, "CUDA_HOME", "CUDA_PATH"])
+def test_jit_finds_the_toolkit_behind_an_nvcc_wrapper(monkeypatch, tmp_path, user_env):
+    root = _fake_toolkit(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'wrapper_bin'}:{os.environ['PATH']}")
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    if user_env:
+        monkeypatch.setenv(user_env, "/opt/users/cuda")
+    guess = str(tmp_path)                 # what torch guesses from `which nvcc`: no lib there
+    fake_cpp_extension = type("CppExtension", (), {"CUDA_HOME": guess})
+    assert jit_build.nvcc_toolkit_root() == str(root)
+    jit_build.fix_cuda_home(fake_cpp_extension)
+    # A user's own setting is never overridden; otherwise the toolkit nvcc names is taken.
+    assert fake_cpp_extension.CUDA_HOME == (guess if user_env else str(root))
+
+
+def test_jit_keeps_a_cuda_home_that_has_the_runtime(monkeypatch, tmp_path):
+    root = _fake_toolkit(tmp_path)
+    other = tmp_path / "other"
+    (other / "lib64").mkdir(parents=True)
+    (other / "lib64" / "libcudart.so").touch()
+    monkeypatch.setenv("PATH", f"{tmp_path / 'wrapper_bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    fake_cpp_extension = type("CppExtension", (), {"CUDA_HOME": str(other)})
+    jit_build.fix_cuda_home(fake_cpp_extension)
+    assert fake_cpp_extension.CUDA_HOME == str(other) != str(root)
+
+
 def test_jit_sources_include_the_host_plan_check():
     names = [p.name for p in jit_build._sources(ROOT / "csrc")]
     assert {"torch_bindings.cpp", "tpp_checks.cpp", "tpp_decode.cpp", "tpp_decode.cu"} <= set(names)

@@ -191,10 +191,16 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
 
 
 def measure_ceilings(device: torch.device) -> dict:
+    # Three significant digits, not one decimal: a CPU's fp16 GEMM rate (< 0.05 TFLOP/s under
+    # torch 2.11) must not round to a zero ceiling.
     return {"copy_MiB": copy_bytes(device) >> 20, "gemm_n": gemm_size(device),
-            "hbm_GBs": round(measure_hbm_bandwidth(device), 1),
-            "gemm_TFLOPs_float16": round(measure_gemm_tflops(device, torch.float16), 1),
-            "gemm_TFLOPs_bfloat16": round(measure_gemm_tflops(device, torch.bfloat16), 1)}
+            "hbm_GBs": _sig3(measure_hbm_bandwidth(device)),
+            "gemm_TFLOPs_float16": _sig3(measure_gemm_tflops(device, torch.float16)),
+            "gemm_TFLOPs_bfloat16": _sig3(measure_gemm_tflops(device, torch.bfloat16))}
+
+
+def _sig3(x: float) -> float:
+    return float(f"{x:.3g}")
 
 
 def device_name(device: torch.device) -> str:

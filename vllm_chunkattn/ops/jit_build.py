@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -67,10 +69,46 @@ def build_dir(csrc_dir: Path, arch: str) -> Path:
     return Path.home() / ".cache" / "vllm_chunkattn" / "jit" / h.hexdigest()[:16]
 
 
+def _has_cudart(home: str | None) -> bool:
+    return bool(home) and any((Path(home) / d / "libcudart.so").exists() for d in ("lib64", "lib"))
+
+
+def nvcc_toolkit_root() -> str | None:
+    """Where nvcc itself says its toolkit lives (the TOP of its --dryrun), or None."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        r = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in (r.stdout + r.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return str(Path(line.removeprefix("#$ TOP=").strip()).resolve())
+    return None
+
+
+def fix_cuda_home(cpp_extension) -> None:
+    """torch guesses CUDA_HOME from `which nvcc`. A wrapper script on PATH (/usr/local/bin/nvcc
+    exec'ing the toolkit's, as on this project's CPU machines) makes that /usr/local, and the link
+    then fails with "cannot find -lcudart". When the guess holds no CUDA runtime and the user
+    set neither CUDA_HOME nor CUDA_PATH, take the toolkit root nvcc reports."""
+    if (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+            or _has_cudart(cpp_extension.CUDA_HOME)):
+        return
+    root = nvcc_toolkit_root()
+    if _has_cudart(root):
+        logger.info("chunkattn: CUDA_HOME %s has no libcudart; using nvcc's toolkit %s",
+                    cpp_extension.CUDA_HOME, root)
+        cpp_extension.CUDA_HOME = root
+
+
 def load_jit(csrc_dir, verbose: bool | None = None) -> None:
     """Builds (or reuses) and loads the library; torch.ops.chunkattn.* exist afterwards."""
     from torch.utils import cpp_extension
 
+    fix_cuda_home(cpp_extension)
     csrc_dir = Path(csrc_dir)
     archs = arch_list()
     arch = ";".join(archs)
