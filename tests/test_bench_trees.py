@@ -369,3 +369,51 @@ def test_flashinfer_glue_reorders_rows_and_passes_the_levels(monkeypatch):
     for fn in (fib.multi_level_cascade(bt, levels, 16), fib.batch_decode(bt, 16)):
         torch.testing.assert_close(fn().double(), ref, atol=1e-4, rtol=1e-4)
     fib.warm(torch.float32, torch.device("cpu"))          # the JIT warm-up's calls, end to end
+
+
+def test_flashinfer_graph_contenders_and_a_capture_that_fails(monkeypatch):
+    """On CUDA both FlashInfer wrappers are also replayed from a graph; a capture that fails is
+    reported, and not retried on later points (fi_broken). The capture is stood in for here."""
+    import sys
+    import types
+
+    from vllm_chunkattn.bench.kernel import KvPool
+    fake = types.SimpleNamespace(MultiLevelCascadeAttentionWrapper=_FakeCascade,
+                                 BatchDecodeWithPagedKVCacheWrapper=_FakeDecode)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    point = smoke_grid()[-1]
+    pool = KvPool(point.blocks_needed() + 1, 16, SMOKE.num_kv_heads, SMOKE.head_size,
+                  torch.float32, "cpu", "paged_nhd")
+    gen = torch.Generator().manual_seed(0)
+    table, lens = tree_block_table(point, pool.kv_cache.shape[0], gen)
+    bt = pool.from_table(table, lens, SMOKE.num_heads, gen)
+    plan = build_plan(table, lens, 16)
+    levels = cascade_levels(plan, table, lens, 16)
+    captures = []
+
+    def capture(fn):
+        captures.append(fn)
+        if fail and len(captures) > 1:                     # ours captures; FlashInfer does not
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return fn
+    monkeypatch.setattr(kernel_gpu, "cuda_graph", capture)
+    cuda = torch.device("cuda")
+    fail, broken = False, {}
+    fns, missing = kernel_gpu.make_contenders(bt, plan, levels, 16, cuda, "", broken)
+    assert {"ours_graph", "fi_decode_graph", "fi_cascade_graph"} <= set(fns) and not broken
+    assert fns["fi_decode_graph"] is fns["fi_decode"] and len(captures) == 3
+    ref, _ = dense_decode_oracle(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
+                                 bt.seq_lens, bt.scale)
+    torch.testing.assert_close(fns["fi_cascade_graph"]().double(), ref, atol=1e-4, rtol=1e-4)
+
+    fail, captures[:] = True, []
+    fns, missing = kernel_gpu.make_contenders(bt, plan, levels, 16, cuda, "", broken)
+    assert "fi_decode_graph" not in fns and "fi_cascade_graph" not in fns
+    assert missing["fi_decode_graph"] == ("RuntimeError: operation not permitted when stream is "
+                                          "capturing")
+    assert set(broken) == {("fi_decode_graph", torch.float32), ("fi_cascade_graph", torch.float32)}
+    captures[:] = []
+    fns, missing = kernel_gpu.make_contenders(bt, plan, levels, 16, cuda, "", broken)
+    assert len(captures) == 1                              # only ours: no retry of FlashInfer's
+    assert missing["fi_cascade_graph"].startswith("capture failed on an earlier point")
+    assert {"fi_decode", "fi_cascade"} <= set(fns)          # the eager calls still run

@@ -138,13 +138,41 @@ def test_cuda_stock_without_flashinfer_is_our_empty_plan_labelled_so(monkeypatch
     import vllm_chunkattn.bench.tpot_model as tpot
     from vllm_chunkattn.bench.kernel import KvPool
 
-    def no_flashinfer(bt):
-        raise ImportError("No module named 'flashinfer'")
-    monkeypatch.setattr(tpot, "flashinfer_decode", no_flashinfer)
-    bt = KvPool(9, 16, 2, 64, torch.float32, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
+    import sys
+    monkeypatch.setitem(sys.modules, "flashinfer", None)      # import flashinfer fails
+    bt = KvPool(9, 16, 2, 64, torch.bfloat16, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
     label, stock = tpot.stock_attention(bt, torch.device("cuda"), "")
-    assert "empty plan" in label and "FlashInfer not importable" in label
+    assert label.startswith("ours with the empty plan (FlashInfer unavailable: ModuleNotFound")
     assert stock().shape == bt.query.shape
+
+
+@pytest.mark.parametrize("dtype,failure", [
+    (torch.bfloat16, RuntimeError("Ninja build failed. Ninja output: nvcc error")),
+    (torch.float32, None)])
+def test_a_flashinfer_that_fails_is_a_reason_not_a_crash(monkeypatch, dtype, failure):
+    """A JIT build failing inside FlashInfer's plan() raises RuntimeError, and FlashInfer has no
+    fp32 kernels: bench kernel and bench tpot carry on without the baseline, saying why."""
+    import sys
+    import types
+
+    import vllm_chunkattn.bench.tpot_model as tpot
+    from vllm_chunkattn.bench.kernel import KvPool, flashinfer_decode
+
+    class Refusing:
+        def __init__(self, *a, **kw):
+            pass
+
+        def plan(self, *a, **kw):
+            raise failure
+    monkeypatch.setitem(sys.modules, "flashinfer",
+                        types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Refusing))
+    bt = KvPool(9, 16, 2, 64, dtype, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
+    fn, why = flashinfer_decode(bt)
+    assert fn is None
+    assert why == ("RuntimeError: Ninja build failed. Ninja output: nvcc error" if failure
+                   else "FlashInfer decode has no torch.float32 kernels")
+    label, stock = tpot.stock_attention(bt, torch.device("cuda"), "")
+    assert why in label and stock().shape == bt.query.shape
 
 
 @pytest.mark.parametrize("out_features,bias", [(2048, False), (3072, True), (16, False)])

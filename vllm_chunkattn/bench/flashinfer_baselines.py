@@ -13,10 +13,14 @@ every contender reads the same bytes. (Batch decode also takes any other pool, a
 copies: bench kernel's goal grid and bench tpot use vLLM's flash layout.) Each contender is a zero-argument callable, planned
 beforehand as an engine would do once per step for all layers.
 
-python -m vllm_chunkattn.bench.flashinfer_baselines --warm float16 bfloat16 builds FlashInfer's
-JIT modules for d = 128 (decode + FA3 prefill) on a tiny batch. A fresh device takes about a
-minute per dtype for this (the FA3 module is ~10 nvcc units). The bench stage runs it first, one
-process per dtype in parallel, so the grid's timings never include a build.
+python -m vllm_chunkattn.bench.flashinfer_baselines --warm float16 bfloat16 builds, for d = 128,
+the JIT modules the timed calls use, by planning and running both wrappers on a tiny batch. In
+FlashInfer 0.6.14 those are: the FA2 batch-prefill module (tensor-core decode with backend
+"auto" runs on it: decode.py picks FA3 only for fp8), the FA3 batch-prefill module (_sm90, the
+cascade's levels) and the dtype-free cascade merge module; head counts, GQA group and page size
+are run-time arguments. About 10 + 10 + 2 nvcc units per dtype: minutes on a fresh device. The
+bench stage runs it first, one process per dtype in parallel (FlashInfer's file lock serialises
+a shared module), so the grid's timings never include a build.
 """
 from __future__ import annotations
 
@@ -114,7 +118,8 @@ def warm(dtype: torch.dtype, device: torch.device = torch.device("cuda")) -> Non
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--warm", nargs="+", choices=("float16", "bfloat16"), required=True,
-                   help="dtypes to JIT-build FlashInfer's d=128 decode and prefill modules for")
+                   help="dtypes to JIT-build FlashInfer's d=128 modules for (FA2 + FA3 "
+                        "batch prefill, cascade merge)")
     args = p.parse_args(argv)
     version, why = flashinfer_version()
     if version is None:

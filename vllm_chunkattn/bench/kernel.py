@@ -163,9 +163,19 @@ def _vllm_split_kv() -> bool:
 
 
 def flashinfer_decode(bt: Batch):
-    """FlashInfer's paged batch decode (no prefix awareness): flashinfer_baselines.batch_decode."""
-    from .flashinfer_baselines import batch_decode
-    return batch_decode(bt, bt.key_cache.shape[1])
+    """FlashInfer's paged batch decode (no prefix awareness: flashinfer_baselines.batch_decode),
+    planned and run once, as (callable, "") or (None, why not). Any failure is a reason, not a
+    crash: a JIT build that fails inside plan() raises RuntimeError, not ImportError, and the
+    bench that asked for the baseline carries on without it."""
+    if bt.query.dtype not in (torch.float16, torch.bfloat16):
+        return None, f"FlashInfer decode has no {bt.query.dtype} kernels"
+    try:
+        from .flashinfer_baselines import batch_decode
+        fn = batch_decode(bt, bt.key_cache.shape[1])
+        fn()
+    except Exception as e:
+        return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+    return fn, ""
 
 
 # ---- timing
@@ -220,6 +230,7 @@ def run_grid(args) -> list[dict]:
     layout = "cpu_attn" if device.type == "cpu" else "flash"
     timer = Timer(device)
     rows = []
+    fi_off = ""     # why FlashInfer failed once: not retried (a failed JIT build costs minutes)
     for (hq, hkv), block in itertools.product(args.heads or g["heads"], g["block"]):
         isa = vllm_cpu_isa(dtype, block, args.head_size) if device.type == "cpu" else ""
         per_seq_blocks = -(-(max(g["n_p"]) + 1) // block)
@@ -235,10 +246,13 @@ def run_grid(args) -> list[dict]:
                 contenders["cpu_attn"] = cpu_attn(bt, isa)
             else:
                 contenders["paged_no_prefix"] = ours(bt, empty_plan(b))
-                try:
-                    contenders["flashinfer"] = flashinfer_decode(bt)
-                except ImportError:
-                    pass
+                fi, why = (None, fi_off) if fi_off else flashinfer_decode(bt)
+                if fi is not None:
+                    contenders["flashinfer"] = fi
+                elif not fi_off:
+                    fi_off = why
+                    print(f"FlashInfer decode left out for the rest of the run: {why}",
+                          flush=True)
             if b <= args.naive_max_b or device.type == "cuda":
                 contenders["sdpa_per_seq"] = sdpa_per_sequence(bt)
             base_name = "cpu_attn" if device.type == "cpu" else "sdpa_per_seq"

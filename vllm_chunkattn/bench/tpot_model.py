@@ -85,11 +85,11 @@ def stock_attention(bt, device: torch.device, isa: str):
     """(label, callable) of what stock vLLM runs for one layer's decode attention."""
     if device.type == "cpu":
         return f"vLLM CPU_ATTN ({isa})", cpu_attn(bt, isa)
-    try:
-        return "FlashInfer batch decode", flashinfer_decode(bt)
-    except ImportError:
-        return ("ours with the empty plan (FlashInfer not importable)",
-                ours(bt, empty_plan(bt.query.shape[0])))
+    fi, why = flashinfer_decode(bt)
+    if fi is not None:
+        return "FlashInfer batch decode", fi
+    return (f"ours with the empty plan (FlashInfer unavailable: {why})",
+            ours(bt, empty_plan(bt.query.shape[0])))
 
 
 def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[dict]:
