@@ -14,6 +14,7 @@ from vllm_runs import tiny_model
 
 pytestmark = pytest.mark.vllm
 BS = 32
+HEADS = 8      # tiny-llama's num_attention_heads: the builder sizes its workspace for the model's
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,7 @@ def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm
     held = [t.data_ptr() for t in captured.decode.plan_args]
     for seed, spec in ((1, "system_prompts"), (2, "deep_tree")):
         b = random_tree_batch(seed, **TREE_SPECS[spec], max_seqs=n - 2, block_size=BS,
-                              num_heads=8, num_kv_heads=2)
+                              num_heads=HEADS, num_kv_heads=2)
         rows = b.block_table.shape[0]
         table.zero_()                                     # vLLM's persistent rows, in place
         table[:rows, :b.block_table.shape[1]] = b.block_table
@@ -190,13 +191,33 @@ def test_vllm_keeps_full_decode_graphs_with_custom():
     decode steps replay FULL graphs with our attention inside (mixed batches: PIECEWISE)."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
-    support = backend.ChunkAttnBackend.get_builder_cls()._cudagraph_support
+    support = backend.ChunkAttnBackend.get_builder_cls().get_cudagraph_support(None, None)
     config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
                                cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
                                cudagraph_capture_sizes=[1, 2, 4, 8])
     mode = config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM", 1, max_num_reqs=8)
     assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
     assert mode.decode_mode() == CUDAGraphMode.FULL and mode.mixed_mode() == CUDAGraphMode.PIECEWISE
+
+
+def test_no_graphs_when_the_pytorch_reference_decodes(monkeypatch):
+    """CHUNKATTN_ALLOW_REFERENCE=1 where no native kernel loads: the reference reads the plan on
+    the host, which a graph capture forbids, so the builder declares no graph support and vLLM
+    captures no graph with attention inside."""
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    builder_cls = backend.ChunkAttnBackend.get_builder_cls()
+    assert (builder_cls.get_cudagraph_support(None, None)
+            == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    monkeypatch.setattr(backend, "kernel_name", lambda device: "torch-reference")
+    support = builder_cls.get_cudagraph_support(None, None)
+    assert support == AttentionCGSupport.NEVER
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                               cudagraph_capture_sizes=[1, 2, 4, 8])
+    mode = config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM", 1, max_num_reqs=8)
+    assert mode.decode_mode() != CUDAGraphMode.FULL
 
 
 def _rows(plan, rows):
@@ -253,7 +274,7 @@ def test_decode_build_and_forward_never_sync_on_cuda():
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="bfloat16"),
                         cache_config=CacheConfig(block_size=BS))
     host_block_table.install()
-    b = random_tree_batch(0, **TREE_SPECS["system_prompts"], num_heads=4, num_kv_heads=2,
+    b = random_tree_batch(0, **TREE_SPECS["system_prompts"], num_heads=HEADS, num_kv_heads=2,
                           head_size=64, block_size=BS, dtype=torch.bfloat16, device="cuda")
     n, width = b.block_table.shape
     table = BlockTable(BS, 32, width, 256, True, torch.device("cuda"), 1)
@@ -272,7 +293,7 @@ def test_decode_build_and_forward_never_sync_on_cuda():
     with set_current_vllm_config(config):
         builder = backend.ChunkAttnMetadataBuilder(spec, ["layer.0"], config,
                                                    torch.device("cuda"))
-        impl = backend.ChunkAttnImpl(4, 64, b.scale, 2, None, None, "auto")
+        impl = backend.ChunkAttnImpl(HEADS, 64, b.scale, 2, None, None, "auto")
         out = torch.full_like(b.query, float("nan"))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -306,14 +327,14 @@ def test_full_decode_graph_replays_each_steps_tree_through_the_builder():
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="bfloat16"),
                         cache_config=CacheConfig(block_size=BS))
     host_block_table.install()
-    kw = dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=BS, dtype=torch.bfloat16,
+    kw = dict(num_heads=HEADS, num_kv_heads=2, head_size=64, block_size=BS, dtype=torch.bfloat16,
               device="cuda")
     trees = [random_tree_batch(3, **TREE_SPECS["system_prompts"], max_seqs=10, **kw),
              caterpillar_batch(12, **kw)]
     n, width = 12, 16
     table = BlockTable(BS, n, width, 256, True, torch.device("cuda"), 1)
     seq_lens = torch.ones(n, dtype=torch.int32, device="cuda")
-    query = torch.zeros(n, 4, 64, dtype=torch.bfloat16, device="cuda")
+    query = torch.zeros(n, HEADS, 64, dtype=torch.bfloat16, device="cuda")
     num_blocks = max(b.kv_cache.shape[0] for b in trees)
     kv_cache = alloc_kv_cache(num_blocks, BS, 2, 64, torch.bfloat16, "cuda", "flash")
     out = torch.zeros_like(query)
@@ -331,7 +352,7 @@ def test_full_decode_graph_replays_each_steps_tree_through_the_builder():
     with set_current_vllm_config(config):
         builder = backend.ChunkAttnMetadataBuilder(spec, ["layer.0"], config,
                                                    torch.device("cuda"))
-        impl = backend.ChunkAttnImpl(4, 64, 0.125, 2, None, None, "auto")
+        impl = backend.ChunkAttnImpl(HEADS, 64, 0.125, 2, None, None, "auto")
         for i in range(n):                              # vLLM's dummy batch: null blocks
             table.add_row([0], i)
         captured = builder.build_for_cudagraph_capture(metadata(torch.ones(n, dtype=torch.int32)))

@@ -105,6 +105,14 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     reorder_batch_threshold: int = 1
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # The PyTorch reference (CHUNKATTN_ALLOW_REFERENCE=1, no native kernel) reads the plan
+        # on the host (.tolist()): inside a graph capture that is an illegal sync.
+        if kernel_name(current_platform.device_type) == "torch-reference":
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         base_backend, self.kv_layout, _ = _platform_base()
