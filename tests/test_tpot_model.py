@@ -187,3 +187,25 @@ def test_linear_op_is_vllms_cpu_gemm_and_computes_x_wt_plus_b(out_features, bias
     x = torch.randn(32, 512, generator=g).to(torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     torch.testing.assert_close(linear_op(w, b)(x).float(), want, atol=0.05, rtol=0.02)
+
+
+def test_plan_step_rebuilds_the_plan_each_call_as_the_builder_does():
+    """bench's plan_ms times a builder rebuild (PlanCache with reuse off): every call makes a new
+    plan, equal to build_plan's, and a launch that decodes exactly."""
+    from vllm_chunkattn.bench.kernel import KvPool, plan_step
+    from vllm_chunkattn.ops.reference import tpp_decode_reference
+    from vllm_chunkattn.plan import build_plan
+    bt = KvPool(40, 16, 2, 64, torch.float32, "cpu", "flash").batch(100, 64, 4, 4, seed=1)
+    step = plan_step(bt, 16)
+    first, second = step(), step()
+    assert first.plan is not second.plan
+    want = build_plan(bt.block_table, bt.seq_lens, 16)
+    assert want.num_nodes == 1
+    for name in ("node_block_indptr", "node_block_ids", "node_seq_ids", "seq_partial_ids",
+                 "seq_num_shared_blocks"):
+        assert torch.equal(getattr(second.plan, name), getattr(want, name)), name
+    out = torch.empty_like(bt.query)
+    second.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)     # the native op
+    ref = tpp_decode_reference(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
+                               bt.seq_lens, want, bt.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

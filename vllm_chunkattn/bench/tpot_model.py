@@ -30,8 +30,8 @@ import torch
 from ..model_shapes import SHAPES, attention_shape
 from ..plan import build_plan, empty_plan
 from . import provenance
-from .kernel import (KvPool, Timer, cpu_attn, flashinfer_decode, machine, markdown_table, ours,
-                     plan_step, vllm_cpu_isa)
+from .kernel import (KvPool, Timer, cpu_attn, flashinfer_decode, host_ms, machine, markdown_table,
+                     ours, plan_step, vllm_cpu_isa)
 from .linear_layers import (LayerWeights, decoder_layer_without_attention, layer_flops, lm_head,
                             lm_head_weight)
 
@@ -122,7 +122,7 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[d
         parts = dict(stock_attention_ms=timer(stock, args.reps),
                      custom_attention_ms=timer(custom, args.reps),
                      linear_ms=linear_ms[p.batch], head_ms=head_ms[p.batch],
-                     plan_ms=timer(plan_step(bt, args.block), args.reps))
+                     plan_ms=host_ms(plan_step(bt, args.block), args.reps))
         row = dict(**asdict(p), layers=layers, dtype=args.dtype, block=args.block,
                    stock_attention=stock_label, **parts,
                    **predict(layers, **parts),
