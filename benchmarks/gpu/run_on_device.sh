@@ -180,7 +180,8 @@ fi
   grep -h '^{"shape"' "$WORK/bench.log" 2>/dev/null | "$PY" -c "
 import json, sys
 for r in map(json.loads, sys.stdin):
-    print(f\"{r['dtype']:9s} {r['shape']:32s} tpp {r['tpp_us']:9.1f}  no_sharing {r['no_sharing_us']:9.1f}  x{r['speedup']}\")"
+    warm = ' (KV fits in L2: timed warm)' if r.get('no_sharing_l2_resident') or r.get('tpp_l2_resident') else ''
+    print(f\"{r['dtype']:9s} {r['shape']:32s} tpp {r['tpp_us']:9.1f}  no_sharing {r['no_sharing_us']:9.1f}  x{r['speedup']}{warm}\")"
   echo "== decode TPOT on paper (tpot_cuda.md, in results.tar.gz)"
   grep -E '^\| (llama|qwen)' "$WORK/bench/tpot_cuda.md" 2>/dev/null
   echo "== tree grids (kernel_cuda_gpu.md): issue #9 goals"
