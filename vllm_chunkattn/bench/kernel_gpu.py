@@ -7,7 +7,10 @@ KV bytes:
                (cascade_levels.py);
   sdpa         torch SDPA per sequence (gather, one call per row), for up to SDPA_MAX_ROWS rows.
 Ours and both FlashInfer wrappers are timed twice: as called, and as a CUDA-graph replay of the
-same call after its plan ("_graph"), which is how vLLM runs a decode step. Eager timings carry
+same call after its plan ("_graph"), which is how vLLM runs a decode step. "ours_vllm_graph"
+is ours as vLLM's FULL decode graphs replay it: the plan padded to the batch size's capacity
+(plan_capacity.py, pruned where the tree exceeds it) in buffers that never move, and a workspace
+with no split spares (the builder's graph mode). Eager timings carry
 each launch's host work (the cascade: a launch and an output allocation per level, plus a
 merge), which the graph replay leaves out; graph against graph compares the GPU work alone. Our
 graph is captured with the plan in static device buffers, as
@@ -31,8 +34,10 @@ import time
 
 import torch
 
+from ..ops import TppLaunch, TppWorkspace
 from ..ops.reference import tpp_decode_reference
-from ..plan import build_plan, empty_plan
+from ..plan import PlanCache, build_plan, empty_plan
+from ..plan_capacity import PlanCapacity
 from . import provenance
 from .cascade_levels import cascade_levels
 from .flashinfer_baselines import batch_decode, flashinfer_version, multi_level_cascade
@@ -44,11 +49,11 @@ from .roofline import (chunk_first_flops, chunk_first_rows, copy_bytes, gemm_siz
                        unique_kv_tokens)
 
 SDPA_MAX_ROWS = 32        # one SDPA call per row: past this it only adds minutes
-CONTENDERS = ("ours", "ours_graph", "empty_plan", "fi_decode", "fi_decode_graph", "fi_cascade",
-              "fi_cascade_graph", "sdpa")
+CONTENDERS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan", "fi_decode",
+              "fi_decode_graph", "fi_cascade", "fi_cascade_graph", "sdpa")
 BASELINES = ("empty_plan", "fi_decode", "fi_decode_graph", "fi_cascade", "fi_cascade_graph",
              "sdpa")
-OURS = ("ours", "ours_graph", "empty_plan")      # our kernel: a mismatch fails the run
+OURS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan")   # a mismatch fails the run
 
 
 def cuda_graph(fn):
@@ -102,6 +107,20 @@ def _is_build_failure(e: Exception) -> bool:
     return any(word in text for word in ("ninja", "nvcc", "build", "compil"))
 
 
+def ours_capacity_mode(bt, block_size: int):
+    """Our op as the builder runs a captured batch size (ChunkAttnMetadataBuilder.
+    _graph_plans_for): a capacity PlanCache for the batch's rows and table width, and a workspace
+    without split spares."""
+    num_seqs, width = bt.block_table.shape
+    plans = PlanCache(block_size, bt.query.device,
+                      capacity=PlanCapacity.for_batch(num_seqs, width))
+    plan = plans.get(bt.block_table.cpu().numpy(), bt.seq_lens.cpu().numpy())
+    launch = TppLaunch(plan, bt.block_table, bt.seq_lens, bt.query.shape[1], bt.query.shape[2],
+                       bt.query.device, TppWorkspace(spare_rows_per_partial=0), kernel="native")
+    out = torch.empty_like(bt.query)
+    return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)
+
+
 def _why(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}"
 
@@ -113,8 +132,9 @@ def make_contenders(bt, plan, levels, block_size: int, device, fi_why: str,
     fns, missing = {"ours": ours(bt, plan)}, {}
     if device.type == "cuda":
         fns["ours_graph"] = cuda_graph(ours(bt, plan))
+        fns["ours_vllm_graph"] = cuda_graph(ours_capacity_mode(bt, block_size))
     else:
-        missing["ours_graph"] = "CUDA only"
+        missing["ours_graph"] = missing["ours_vllm_graph"] = "CUDA only"
     fns["empty_plan"] = ours(bt, empty_plan(bt.query.shape[0]))
     for name, make in (("fi_decode", lambda: batch_decode(bt, block_size)),
                        ("fi_cascade", lambda: multi_level_cascade(bt, levels, block_size))):
@@ -192,6 +212,7 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     for name in BASELINES:                       # graph replays against our graph replay
         ours_us = row["ours_graph_us" if name.endswith("_graph") else "ours_us"]
         row[f"x_{name}"] = round(row[f"{name}_us"] / ours_us, 2)
+    row["x_vllm_graph_vs_eager"] = round(row["ours_us"] / row["ours_vllm_graph_us"], 2)
     row["pct_roofline"] = round(100 * row["roofline_us"] / row["ours_us"], 1)
     flops = chunk_first_flops(plan, shape.num_heads, shape.head_size, bs)
     row["cf_rows"] = chunk_first_rows(plan, shape.num_heads, shape.num_kv_heads)

@@ -22,7 +22,8 @@ GRID_TITLES = {
 }
 TABLE = [("point", "point"), ("rows", "rows"), ("levels", "cascade levels"),
          ("unique_kv_MB", "unique KV MB"), ("roofline_us", "roofline µs"), ("ours_us", "ours µs"),
-         ("ours_graph_us", "ours graph µs"), ("empty_plan_us", "empty plan µs"),
+         ("ours_graph_us", "ours graph µs"), ("ours_vllm_graph_us", "ours vLLM graph µs"),
+         ("x_vllm_graph_vs_eager", "eager / vLLM graph"), ("empty_plan_us", "empty plan µs"),
          ("fi_decode_us", "FI decode µs"), ("fi_decode_graph_us", "FI decode graph µs"),
          ("fi_cascade_us", "FI cascade µs"), ("fi_cascade_graph_us", "FI cascade graph µs"),
          ("sdpa_us", "SDPA µs"), ("x_empty_plan", "x empty plan"),
@@ -85,6 +86,8 @@ def goal_lines(rows: list[dict]) -> list[str]:
         check("  the same, CUDA-graph replays on both sides", single, "x_fi_cascade_graph", 1.0),
         check("speed-up over FlashInfer decode with nothing shared", nothing, "x_fi_decode", 0.95),
         check("  the same, CUDA-graph replays on both sides", nothing, "x_fi_decode_graph", 0.95),
+        check("graph replay as vLLM captures it (capacity-padded plan) vs eager, every point",
+              rows, "x_vllm_graph_vs_eager", 1.0),
         check("chunk-first % of the measured GEMM peak when compute-bound (rows/kv head >= 256)",
               bound, "cf_pct_peak", 50),
     ]
@@ -114,7 +117,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "repeats after a warm-up, each timed with CUDA events after a 256 MB write that "
              "flushes L2 (on a CPU, smoke only: wall clock). `ours` is our op as a layer calls "
              "it (TppLaunch built beforehand). "
-             "`ours graph` replays the same call from a CUDA graph. `empty plan` is our op with "
+             "`ours graph` replays the same call from a CUDA graph. `ours vLLM graph` replays "
+             "it as vLLM's FULL decode graphs run it: the plan padded to the batch size's "
+             "capacity (plan_capacity.py; pruned where the tree exceeds it), no split spares in "
+             "the workspace; `eager / vLLM graph` = ours µs / ours vLLM graph µs. `empty plan` is our op with "
              "no plan (paged decode, no prefix awareness). `FI decode` is FlashInfer "
              "BatchDecodeWithPagedKVCacheWrapper. `FI cascade` is FlashInfer "
              "MultiLevelCascadeAttentionWrapper with one level per tree depth plus the private "
@@ -160,6 +166,7 @@ def plot(rows: list[dict], meta: dict, path: Path) -> bool:
     grids = [g for g in (*ALL_GPU, "smoke") if any(r["grid"] == g for r in rows)]
     fig, axes = plt.subplots(1, len(grids), figsize=(6 * len(grids), 5.5), squeeze=False)
     series = [("ours_us", "ours", "o-"), ("ours_graph_us", "ours graph", "o:"),
+              ("ours_vllm_graph_us", "ours vLLM graph", "o--"),
               ("empty_plan_us", "empty plan", "s-"), ("fi_decode_us", "FI decode", "^-"),
               ("fi_decode_graph_us", "FI decode graph", "^:"),
               ("fi_cascade_us", "FI cascade", "v-"),
