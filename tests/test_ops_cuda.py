@@ -336,3 +336,60 @@ def test_decode_steps_make_no_host_sync(ops, capacity):
         ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
                                    b.seq_lens, plan_of(b), b.scale)
         torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
+
+
+def _sleep_cycles_per_ms() -> float:
+    """torch.cuda._sleep spins for a number of GPU clock cycles: how many make a millisecond."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)                          # first launch out of the way
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+@pytest.mark.parametrize("capacity", [False, True])
+def test_a_decode_step_does_not_wait_for_the_gpu(ops, capacity):
+    """#9, the catch-all behind sync debug mode (which sees only torch's own sync helpers, not an
+    Event.synchronize, a pinned allocation or a pageable copy): with the GPU busy for a second,
+    NUM_SLOTS decode steps (each a rebuild: host plan, host check, staged upload, then three
+    layers) are queued and the stream is still busy afterwards, so the host never waited."""
+    from vllm_chunkattn.ops import TppLaunch, TppWorkspace
+    from vllm_chunkattn.plan import PlanCache
+    from vllm_chunkattn.plan_capacity import PlanCapacity
+    from vllm_chunkattn.plan_staging import PlanStaging
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    batches = [make_batch("system_prompts", seed=12, **kw), make_batch("deep_tree", seed=13, **kw)]
+    cache, ws = PlanCache(16, "cuda"), TppWorkspace()
+    if capacity:
+        rows = max(b.query.shape[0] for b in batches) + 2
+        width = max(b.block_table.shape[1] for b in batches)
+        batches = [pad_batch(b, rows, width) for b in batches]
+        cache = PlanCache(16, "cuda", capacity=PlanCapacity.for_batch(rows, width))
+        ws = TppWorkspace(spare_rows_per_partial=0)
+    host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy()) for b in batches]
+    outs = [torch.full_like(b.query, float("nan")) for b in batches]
+
+    def step(i):
+        b = batches[i]
+        plan = cache.get(*host[i], num_blocks=b.key_cache.shape[0])
+        launch = TppLaunch(plan, b.block_table, b.seq_lens, 16, 128, "cuda", ws)
+        for _layer in range(3):
+            launch.run(b.query, b.key_cache, b.value_cache, b.scale, outs[i])
+    for i in (0, 1, 0, 1):                           # warm: staging, workspace, kernel attributes
+        step(i)
+    cycles_per_ms = _sleep_cycles_per_ms()
+    torch.cuda.synchronize()
+    builds = cache.num_builds
+    torch.cuda._sleep(int(1000 * cycles_per_ms))     # the GPU is busy for about a second
+    for n in range(PlanStaging.NUM_SLOTS):
+        step(n % 2)
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert cache.num_builds == builds + PlanStaging.NUM_SLOTS      # every step rebuilt
+    assert still_busy, "a decode step waited for the GPU (a host sync on the decode path)"
+    for b, out in zip(batches, outs):
+        ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                   b.seq_lens, plan_of(b), b.scale)
+        torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
