@@ -96,6 +96,26 @@ build_rc=$?
 grep -E "registers|spill|bytes stack" "$WORK/build.log" | sort -u > "$WORK/ptxas.txt"
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+# junit_counts NAME XML: "NAME: P passed, F failed, E errors, S skipped" into the summary;
+# status 1 when nothing passed.
+junit_counts() {
+  "$PY" - "$1" "$2" >> "$SUMMARY" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+name, path = sys.argv[1:]
+try:
+    root = ET.parse(path).getroot()
+except (OSError, ET.ParseError) as e:
+    print(f"{name}: no junit XML ({type(e).__name__})")
+    sys.exit(1)
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+print(f"{name}: {passed} passed, {n['failures']} failed, {n['errors']} errors, "
+      f"{n['skipped']} skipped (of {n['tests']})")
+sys.exit(0 if passed > 0 else 1)
+PY
+}
 if (( build_rc == 0 )); then
   # ---- tests: every GPU test (the files that mark any), then the host-side CUDA tests
   xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
@@ -109,6 +129,13 @@ if (( build_rc == 0 )); then
     stage host-tests 90 "$WORK/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider $xdist \
       --junitxml="$WORK/tests_host.xml" tests/test_cuda_host.py tests/test_cuda_contract.py \
       || FAILED=1
+    # A run where every GPU test skipped (torch saw no GPU) exits 0 but tested nothing.
+    if ! junit_counts gpu-tests "$WORK/tests_gpu.xml"; then
+      FAILED=1
+      printf '%-22s FAILED (not one GPU test ran: see the skip reasons in tests.log)\n' \
+        gpu-tests-ran >> "$SUMMARY"
+    fi
+    junit_counts host-tests "$WORK/tests_host.xml"
   fi
 
   # ---- compute-sanitizer on a few small trees: our kernels only, and no caching allocator, so

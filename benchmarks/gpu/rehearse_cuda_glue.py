@@ -1,0 +1,74 @@
+"""What of the GPU serving path runs without a GPU: vLLM 0.32.0 for CUDA (the bundle) on a
+stand-in of the device image, vLLM's CUDA platform forced as an H100 (import_probe.py), no
+driver. Checks that --attention-backend CUSTOM selects our backend on the CUDA platform for every
+block size the kernel takes (stock picks FLASH_ATTN), that the tree's async scheduler is
+installed with async scheduling and FULL_AND_PIECEWISE graphs left on, and that ChunkAttnImpl and
+ChunkAttnMetadataBuilder construct over FLASH_ATTN's (the builder on a CPU device, with the
+PyTorch reference standing in for the kernel). Exit 1 on any failure.
+
+Usage (benchmarks/gpu/README.md, "Rehearsal without a GPU"):
+  eval "$(VLLM_SITE=... bash benchmarks/gpu/install_bundle.sh env)"
+  CHUNKATTN_ALLOW_REFERENCE=1 python benchmarks/gpu/rehearse_cuda_glue.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import import_probe  # noqa: E402
+
+
+def main() -> int:
+    import_probe._ensure_libcuda()                # re-execs with a stub driver if none loads
+    import_probe._force_cuda_platform()
+    import torch
+    from vllm.config import (AttentionConfig, CacheConfig, ModelConfig, VllmConfig,
+                             set_current_vllm_config)
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import get_attn_backend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_chunkattn.plugin import backend as be
+    from vllm_chunkattn.plugin import register
+    register()
+    print("platform:", type(current_platform).__name__, current_platform.get_device_capability())
+    failures = []
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "tiny-llama")
+    for requested, want in ((None, "FLASH_ATTN"), (AttentionBackendEnum.CUSTOM, "CUSTOM")):
+        for block in (16, 32, 64):
+            cfg = VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16"),
+                             cache_config=CacheConfig(block_size=block),
+                             attention_config=AttentionConfig(backend=requested))
+            with set_current_vllm_config(cfg):
+                got = get_attn_backend(head_size=128, dtype=torch.bfloat16,
+                                       kv_cache_dtype="auto", num_heads=8).get_name()
+            sched = cfg.scheduler_config
+            line = (f"backend={requested and requested.name} block={block}: {got}, scheduler "
+                    f"{sched.scheduler_cls}, async {sched.async_scheduling}, graphs "
+                    f"{cfg.compilation_config.cudagraph_mode.name}")
+            print(line)
+            ok = got == want and sched.async_scheduling and (
+                cfg.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE")
+            if want == "CUSTOM":
+                ok &= sched.scheduler_cls.endswith("ChunkAttnAsyncScheduler")
+            if not ok:
+                failures.append(line)
+    base, layout, layouts = be._platform_base()
+    print("platform base:", base.get_name(), layout, layouts)
+    if base.get_name() != "FLASH_ATTN" or layout != "flash":
+        failures.append(f"platform base {base.get_name()} / {layout}")
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    with set_current_vllm_config(cfg):
+        impl = be.ChunkAttnImpl(8, 128, 128 ** -0.5, 2, None, None, "auto")
+        builder = be.ChunkAttnMetadataBuilder(spec, ["layer.0"], cfg, torch.device("cpu"))
+    print("impl over", type(impl.base).__name__, "| builder over", type(builder.base).__name__)
+    if type(impl.base).__name__ != "FlashAttentionImpl":
+        failures.append(f"impl base {type(impl.base).__name__}")
+    print("FAILED:\n  " + "\n  ".join(failures) if failures else "GLUE OK")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
