@@ -65,6 +65,9 @@ server_args=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port "$
 # shellcheck disable=SC2206
 server_args+=(${EXTRA_SERVER_ARGS:-})
 echo "== $TAG: vllm serve $MODEL ${server_args[*]}"
+# For the report (python -m vllm_chunkattn.bench.serve_ab_report): the command and the GPU.
+echo "vllm serve $MODEL ${server_args[*]}" > "$WORK/server_cmd.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$WORK/gpu.txt" 2> /dev/null
 t0=$SECONDS
 CHUNKATTN_STATS_FILE=$WORK/chunkattn_stats.json "$VLLM" serve "$MODEL" "${server_args[@]}" \
   > "$OUT/server_$TAG.log" 2>&1 &
@@ -102,8 +105,11 @@ SAMPLER=$!
 bench() {   # name, then `vllm bench serve` flags
   local name=$1; shift
   echo "$name" > "$WORK/current"
+  echo "$*" > "$WORK/$name.flags"
+  # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
   timeout 200 "$VLLM" bench serve --backend vllm --base-url "$URL" --model "$MODEL" --seed 0 \
-    --save-result --result-dir "$WORK" --result-filename "$name.json" "$@" > "$WORK/$name.log" 2>&1
+    --save-result --save-detailed --result-dir "$WORK" --result-filename "$name.json" "$@" \
+    > "$WORK/$name.log" 2>&1
   local rc=$?; echo idle > "$WORK/current"
   echo "$name: rc=$rc, $(grep -E 'Output token throughput' "$WORK/$name.log" | tr -s ' ')"
 }

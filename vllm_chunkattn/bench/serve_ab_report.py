@@ -1,0 +1,162 @@
+"""python -m vllm_chunkattn.bench.serve_ab_report --tag TAG --out DIR CALL_DIR [CALL_DIR ...]
+
+The report of issue #10's GPU A/B from what benchmarks/gpu/serve_ab.sh's device calls brought
+back (each CALL_DIR: a call's files, results_<system>-r<round>.tar.gz and server_<...>.log):
+ab_<TAG>.{md,csv,png} as `bench ab` writes them (ab_report.py), with the issue's goals, plus
+ab_<TAG>_rounds.csv with every round. Rounds of one system and workload (ABBA) are combined by
+their median; a round that lost requests is reported, not combined.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import statistics
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from . import ab_report
+from .ab import latency_metrics
+
+# serve_ab.sh's workloads: what each shares (ab_report's columns).
+WORKLOADS = {
+    "random": dict(group="shared", shared_len=0, num_prefixes=0, n=1),
+    "prefix1x2k": dict(group="shared", shared_len=2048, num_prefixes=1, n=1),
+    "prefix4x2k": dict(group="shared", shared_len=2048, num_prefixes=4, n=1),
+    "n8x1k": dict(group="samples", shared_len=1024, num_prefixes=16, n=8),
+    "tree": dict(group="tree", shared_len=1024, num_prefixes=1, n=1),
+}
+# Issue #10: >= 1.6x output tok/s with 2K shared, >= 0.98x with nothing shared, peak KV no worse
+# than stock with prefix caching.
+GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
+NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
+           "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
+           "peak_kv_tokens", "peak_running")
+INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
+TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
+
+
+def kv_capacity_tokens(server_log: str) -> int:
+    """vLLM's "GPU KV cache size: 1,234 tokens" line, or 0."""
+    m = re.search(r"KV cache size: ([\d,]+) tokens", server_log)
+    return int(m.group(1).replace(",", "")) if m else 0
+
+
+def peaks(kv_tsv: str) -> dict:
+    """(workload, metric) -> the largest sample (serve_ab.sh's kv.tsv: time workload metric value)."""
+    out: dict = {}
+    for line in kv_tsv.splitlines():
+        _, workload, metric, value = line.split()
+        key = (workload, metric)
+        out[key] = max(out.get(key, 0.0), float(value))
+    return out
+
+
+def read_call(tarball: Path, work: Path) -> list[dict]:
+    """One system's rows (a row per workload) from one serve_ab.sh call."""
+    system, rnd = TAG_RE.search(tarball.name).groups()
+    dest = work / f"{system}-r{rnd}"
+    with tarfile.open(tarball) as t:
+        t.extractall(dest, filter="data")
+    log_path = tarball.with_name(f"server_{system}-r{rnd}.log")
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    capacity = kv_capacity_tokens(log)
+    kv = peaks((dest / "kv.tsv").read_text()) if (dest / "kv.tsv").exists() else {}
+    rows = []
+    for name, shape in WORKLOADS.items():
+        result = dest / f"{name}.json"
+        if not result.exists():
+            continue
+        res = json.loads(result.read_text())
+        row = dict(system=system, round=int(rnd), workload=name, **shape,
+                   request_rate=float("inf"), num_prompts=res.get("num_prompts", 0))
+        row.update(latency_metrics(res, shape["n"]))
+        usage = kv.get((name, "vllm:kv_cache_usage_perc"), 0.0)
+        row.update(peak_kv_usage_pct=100 * usage, peak_kv_tokens=round(usage * capacity),
+                   peak_running=int(kv.get((name, "vllm:num_requests_running"), 0)),
+                   status="ok" if not row["failed"] else f"{row['failed']} requests failed")
+        rows.append(row)
+    return rows
+
+
+def combine(rounds: list[dict]) -> list[dict]:
+    """One row per (system, workload): the median of its rounds that completed."""
+    out = []
+    keys = list(dict.fromkeys((r["system"], r["workload"]) for r in rounds))
+    for system, workload in keys:
+        mine = [r for r in rounds if (r["system"], r["workload"]) == (system, workload)]
+        ok = [r for r in mine if r["status"] == "ok"]
+        row = dict(mine[0])
+        row.pop("round")
+        if not ok:
+            out.append(row)
+            continue
+        for k in NUMERIC:
+            row[k] = statistics.median(r[k] for r in ok)
+            if k in INTEGER:
+                row[k] = round(row[k])
+        row["status"] = "ok"
+        row["rounds"] = len(ok)
+        out.append(row)
+    return out
+
+
+def _setup_text(work: Path, pattern: str) -> str:
+    for p in sorted(work.glob(pattern)):
+        return p.read_text().strip()
+    return "?"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("calls", nargs="+", type=Path, help="folders of serve_ab.sh calls' files")
+    ap.add_argument("--tag", required=True)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--commit", default="?", help="the commit the device ran")
+    a = ap.parse_args(argv)
+    tarballs = sorted(p for d in a.calls for p in d.glob("results_*-r*.tar.gz"))
+    if not tarballs:
+        print("serve_ab_report: no results_<system>-r<round>.tar.gz in the given folders")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        rounds = [r for t in tarballs for r in read_call(t, work)]
+        server_cmd = _setup_text(work, "stock-r*/server_cmd.txt")
+        gpu = _setup_text(work, "*/gpu.txt")
+        flags = {w: _setup_text(work, f"*/{w}.flags") for w in WORKLOADS}
+    logs = "".join(p.read_text(errors="replace") for d in a.calls for p in d.glob("server_custom*.log"))
+    kernel = re.search(r"kernel=(\S+?),", logs)
+    graphs = sorted(set(re.findall(r"Capturing CUDA graphs \(([^)]*)\)", logs)))
+    a.out.mkdir(parents=True, exist_ok=True)
+    with open(a.out / f"ab_{a.tag}_rounds.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, ["system", "round", "workload", "status", *NUMERIC],
+                            extrasaction="ignore")
+        wr.writeheader()
+        wr.writerows(rounds)
+    rows = combine(rounds)
+    prompts = {r["workload"]: r["num_prompts"] for r in rounds}
+    systems = [s for s in ("stock", "custom") if any(r["system"] == s for r in rows)]
+    setup = {"model": "Llama-3-8B shape, dummy bf16 weights (model_shapes.py llama-3-8b)",
+             "server_args": server_cmd, "systems": systems, "commit": a.commit,
+             "date": "from the device calls", "native": kernel.group(1) if kernel else "?",
+             "machine": f"{gpu}; CUSTOM graphs captured: {', '.join(graphs) or 'none seen'}; "
+                        f"rounds per system: "
+                        + ", ".join(f"{s} {len({r['round'] for r in rounds if r['system'] == s})}"
+                                    for s in systems),
+             "budget_min": 0, "slo_ms": float("inf"), "goals": GPU_GOALS, "sample_s": 0.25,
+             "client": "`vllm bench serve` from benchmarks/gpu/serve_ab.sh (`--ignore-eos "
+                       "--seed 0 --save-detailed`, 32 concurrent; n8x1k: n = 8 at temperature "
+                       "1, 4 concurrent); one server per system and round runs the workloads in "
+                       "turn, no prefix-cache reset between them (their prompts share nothing)",
+             "workloads": [(w, prompts.get(w, ""), float("inf"), flags[w]) for w in WORKLOADS
+                           if flags[w] != "?"]}
+    paths = ab_report.write(rows, setup, a.out, a.tag)
+    print("serve_ab_report:", ", ".join(str(p) for p in [a.out / f"ab_{a.tag}_rounds.csv", *paths]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
