@@ -107,6 +107,7 @@ def test_goals_and_setup_in_the_markdown(report):
     assert "decode, FULL" in md and "stock 2, custom 2" in md
     assert "vllm serve /tmp/models/llama-3-8b --dtype bfloat16 (stock-r1)" in md
     assert "sampled every 0.25 s" in md and "budget" not in md
+    assert "- model: `/tmp/models/llama-3-8b`" in md
 
 
 def test_no_results_is_a_clear_error(tmp_path, capsys):

@@ -139,7 +139,11 @@ def main(argv=None) -> int:
     rows = combine(rounds)
     prompts = {r["workload"]: r["num_prompts"] for r in rounds}
     systems = [s for s in ("stock", "custom") if any(r["system"] == s for r in rows)]
-    setup = {"model": "Llama-3-8B shape, dummy bf16 weights (model_shapes.py llama-3-8b)",
+    words = server_cmd.split()
+    model = words[2] if len(words) > 2 else "?"
+    if "--load-format dummy" in server_cmd:
+        model += " (dummy weights: a config and a tokenizer, e.g. model_shapes.py llama-3-8b)"
+    setup = {"model": model,
              "server_args": server_cmd, "systems": systems, "commit": a.commit,
              "date": "from the device calls", "native": kernel.group(1) if kernel else "?",
              "machine": f"{gpu}; CUSTOM graphs captured: {', '.join(graphs) or 'none seen'}; "
