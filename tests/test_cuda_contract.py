@@ -99,6 +99,27 @@ def test_jit_keeps_a_cuda_home_that_has_the_runtime(monkeypatch, tmp_path):
     assert fake_cpp_extension.CUDA_HOME == str(other) != str(root)
 
 
+def test_jit_build_dirs_are_keyed_under_the_chosen_root(monkeypatch, tmp_path):
+    """Under $CHUNKATTN_BUILD_DIR too, a build is keyed by torch, CUDA, arch and sources: the
+    device image's torch 2.11 and the vLLM bundle's 2.13 keep separate builds there."""
+    import shutil
+    src = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", src)
+    monkeypatch.setenv("CHUNKATTN_BUILD_DIR", str(tmp_path / "jit"))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    first = jit_build.build_dir(src, "9.0a")
+    assert first.parent == tmp_path / "jit" and jit_build.build_dir(src, "9.0a") == first
+    assert jit_build.build_dir(src, "8.0") != first
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    assert jit_build.build_dir(src, "9.0a") != first
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    (src / "softmax_state.h").write_text((src / "softmax_state.h").read_text() + "\n")
+    assert jit_build.build_dir(src, "9.0a") != first
+    monkeypatch.delenv("CHUNKATTN_BUILD_DIR")
+    assert jit_build.build_dir(src, "9.0a").parent == (Path.home() / ".cache" / "vllm_chunkattn"
+                                                         / "jit")
+
+
 def test_jit_sources_include_the_host_plan_check():
     names = [p.name for p in jit_build._sources(ROOT / "csrc")]
     assert {"torch_bindings.cpp", "tpp_checks.cpp", "tpp_decode.cpp", "tpp_decode.cu"} <= set(names)

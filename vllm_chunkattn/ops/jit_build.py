@@ -57,16 +57,17 @@ def _sources(csrc_dir: Path) -> list[Path]:
 
 
 def build_dir(csrc_dir: Path, arch: str) -> Path:
-    """$CHUNKATTN_BUILD_DIR, else ~/.cache/vllm_chunkattn/jit/<key>: a new key whenever torch,
-    CUDA, the arch (and extra flags) or any source/header changes, so a stale library is never
-    loaded."""
-    if os.environ.get("CHUNKATTN_BUILD_DIR"):
-        return Path(os.environ["CHUNKATTN_BUILD_DIR"])
+    """<root>/<key>, root $CHUNKATTN_BUILD_DIR or ~/.cache/vllm_chunkattn/jit: a new key whenever
+    torch, CUDA, the arch (and extra flags) or any source/header changes, so a stale library is
+    never loaded and two torch versions on one machine (the device image's and the vLLM
+    bundle's) keep their own builds instead of rebuilding each other's."""
+    root = Path(os.environ.get("CHUNKATTN_BUILD_DIR")
+                or Path.home() / ".cache" / "vllm_chunkattn" / "jit")
     h = hashlib.sha256(f"{torch.__version__}|{torch.version.cuda}|{arch}".encode())
     for f in sorted(p for p in csrc_dir.rglob("*") if p.suffix in {".cpp", ".cu", ".h", ".cuh"}):
         h.update(f.relative_to(csrc_dir).as_posix().encode())
         h.update(f.read_bytes())
-    return Path.home() / ".cache" / "vllm_chunkattn" / "jit" / h.hexdigest()[:16]
+    return root / h.hexdigest()[:16]
 
 
 def _has_cudart(home: str | None) -> bool:
