@@ -260,6 +260,11 @@ def test_v2_runner_mirror_follows_append_block_ids():
     tables.redirect_writes_to_null_block = True
     append(2, ([6],), False)
     assert h.host_block_table(cm, 1)[0, :4].tolist() == [7, 8, 5, 0]
+    # A FULL-graph step padded to 4 rows: req_idx names the 2 real requests (V2's
+    # idx_mapping_np), the padding rows come back zero as the device gather leaves them.
+    padded = h.host_block_table(cm, 4)
+    assert padded.shape == (4, 6) and padded.dtype == np.int32
+    assert padded[:2, :3].tolist() == [[7, 8, 5], [1, 9, 3]] and not padded[2:].any()
 
 
 @pytest.mark.gpu

@@ -54,7 +54,11 @@ def host_block_table(cm, num_rows: int) -> np.ndarray | None:
     if v2 is not None and (tables := v2[0]()) is not None and cm.req_idx is not None:
         host = tables._chunkattn_host[v2[1]]
         if host.shape[1] == bt.shape[1]:
-            return host[np.asarray(cm.req_idx[:num_rows])]
+            rows = host[np.asarray(cm.req_idx[:num_rows])]
+            # A FULL-graph step pads the batch past its requests (req_idx holds the real ones
+            # only); the device gather zeroes the padding rows, whose seq_lens are 0.
+            pad = num_rows - rows.shape[0]
+            return np.pad(rows, ((0, pad), (0, 0))) if pad > 0 else rows
     if bt.device.type == "cpu":                    # CPU runner: the "device" table is the host's
         return bt[:num_rows].numpy()
     return None
