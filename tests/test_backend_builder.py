@@ -131,6 +131,37 @@ def _decode_metadata(table: torch.Tensor, seq_lens: torch.Tensor) -> CommonAtten
         seq_lens_cpu_upper_bound=seq_lens.clone())
 
 
+def test_a_new_builder_releases_the_views_of_the_old_kv_cache(vllm_config):
+    """vLLM builds, captures graphs on a throwaway profiling KV cache, then makes new builders
+    and allocates the real cache: the impls' cached K/V views must not keep the throwaway cache
+    alive through that allocation."""
+    import gc
+    import weakref
+
+    from vllm_chunkattn.ops.reference import tpp_decode_reference
+    from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+    b = random_tree_batch(4, **TREE_SPECS["system_prompts"], block_size=BS, num_heads=HEADS,
+                          num_kv_heads=2, layout="cpu_attn")
+    builder = make_builder(vllm_config)
+    with set_current_vllm_config(vllm_config):
+        md = builder.build(0, _decode_metadata(b.block_table, b.seq_lens))
+        impl = backend.ChunkAttnImpl(HEADS, 64, b.scale, 2, None, None, "auto")
+    profiling_cache = b.kv_cache.clone()
+    out = torch.empty_like(b.query)
+    impl.forward(None, b.query, b.query[:, :2], b.query[:, :2], profiling_cache, md, out)
+    assert impl._views[0] is profiling_cache
+    gone = weakref.ref(profiling_cache)
+    make_builder(vllm_config)                             # vLLM's builders for the real cache
+    assert impl._views is None
+    del profiling_cache
+    gc.collect()
+    assert gone() is None                                 # nothing of ours holds it
+    impl.forward(None, b.query, b.query[:, :2], b.query[:, :2], b.kv_cache, md, out)
+    ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                               md.plan, b.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm_config):
     """#9 CUDA graphs: the builder declares uniform single-token decode graphs. A batch size it
     was captured at (build_for_cudagraph_capture, on vLLM's dummy batch: seq_len 1, null

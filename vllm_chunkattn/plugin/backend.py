@@ -8,6 +8,7 @@ keeps that backend's layout and our kernels read it in place.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -94,6 +95,11 @@ class ChunkAttnMetadata:
 
 
 _announced = False
+# Every ChunkAttnImpl of the process: a new builder means a new KV cache is about to be bound
+# (vLLM makes builders, then allocates the cache; the first time for a throwaway profiling cache
+# whose graphs it captures), so the builder drops the impls' cached views of the old one, which
+# would otherwise keep it alive (~1 GiB for Llama-3-8B at 512 blocks) through the allocation.
+_IMPLS: weakref.WeakSet = weakref.WeakSet()
 
 
 class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
@@ -115,6 +121,8 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        for impl in list(_IMPLS):
+            impl._views = None
         base_backend, self.kv_layout, _ = _platform_base()
         self.base = base_backend.get_builder_cls()(kv_cache_spec, layer_names, vllm_config,
                                                    device)
@@ -266,6 +274,7 @@ class ChunkAttnImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         base_backend, self.kv_layout, _ = _platform_base()
         self._views = None
+        _IMPLS.add(self)
         self.base = base_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
