@@ -42,6 +42,28 @@ int sm_count(int device) {
   return cache[device];
 }
 
+// The partial kernel's dynamic shared memory for a head size, and whether this device can give
+// it: head 256 needs ~100 KB, over the 99 KB per block of sm_86/89/120 (A10, L4, RTX 30-50).
+int partial_smem_bytes(int head_size) {
+  switch (head_size) {
+    case 64: return TileShape<64>::smem_bytes(kMaxRows);
+    case 128: return TileShape<128>::smem_bytes(kMaxRows);
+    default: return TileShape<256>::smem_bytes(kMaxRows);
+  }
+}
+
+int smem_optin_bytes(int device) {
+  static int cache[64] = {};
+  if (device < 0 || device >= 64) device = 0;
+  if (cache[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+      n = 0;
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
 int env_int(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::atoi(v) : 0;
@@ -102,6 +124,14 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
               "tpp_decode: out strides must be even and its data 4-byte aligned on CUDA");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 8 == 0,
+              "tpp_decode: partial_o's data must be 8-byte aligned on CUDA (read as float2)");
+  {
+    const int need = partial_smem_bytes(s.head_size), have = smem_optin_bytes(query.get_device());
+    TORCH_CHECK(have == 0 || need <= have, "tpp_decode: head_size ", s.head_size, " needs ", need,
+                " bytes of shared memory per block; this GPU allows ", have,
+                ". Serve this model without --attention-backend CUSTOM on this GPU.");
+  }
   const int64_t slots = std::min({partial_o.size(0), partial_m.size(0), partial_l.size(0)});
   TORCH_CHECK(slots * s.num_heads < (int64_t(1) << 31), "tpp_decode: partial workspace too large for int32 indexing");
   const int num_seqs = s.num_seqs, num_heads = s.num_heads, head_size = s.head_size;

@@ -547,20 +547,15 @@ template <typename T, int D>
 cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream) {
   using S = TileShape<D>;
   const int partial_smem = S::smem_bytes(kMaxRows), final_smem = S::smem_bytes(16);
-  // Opting in to > 48 KB of dynamic smem is a host-side attribute, not a stream op; done once
-  // per device (before any graph capture in practice: the first call is a warm-up).
-  static bool configured[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  if (!configured[dev]) {
-    cudaError_t e = cudaFuncSetAttribute(tpp_partial_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, partial_smem);
-    if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(tpp_final_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             final_smem);
-    if (e != cudaSuccess) return e;
-    configured[dev] = true;
-  }
+  // Opting in to > 48 KB of dynamic smem is a host-side attribute of the current context, not a
+  // stream op (allowed while a graph is captured): set on every launch, so a new context (after
+  // a device reset) or another thread never launches without it.
+  cudaError_t attr = cudaFuncSetAttribute(tpp_partial_kernel<T, D>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, partial_smem);
+  if (attr != cudaSuccess) return attr;
+  attr = cudaFuncSetAttribute(tpp_final_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              final_smem);
+  if (attr != cudaSuccess) return attr;
   const int gx = partial_grid_x(p);
   if (gx > 0) {
     tpp_partial_kernel<T, D><<<dim3(gx, p.num_kv_heads), kThreads, partial_smem, stream>>>(p);
