@@ -298,44 +298,60 @@ def test_bad_plan_is_refused_on_the_host_before_the_copy():
         cache.get(bt, sl, num_blocks=b.key_cache.shape[0])
 
 
+class _DecodeSteps:
+    """Two trees decoded in turn as a serving step does them: per step a PlanCache rebuild (host
+    plan, host check, pinned staging into persistent buffers), per layer TppLaunch.run.
+    capacity: as in a CUDA graph step (both trees padded to one captured batch size, plans
+    padded to its capacities, a workspace without split spares)."""
+
+    def __init__(self, capacity: bool, seeds: tuple[int, int]):
+        from vllm_chunkattn.ops import TppWorkspace
+        from vllm_chunkattn.plan import PlanCache
+        from vllm_chunkattn.plan_capacity import PlanCapacity
+        kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+        self.batches = [make_batch("system_prompts", seed=seeds[0], **kw),
+                        make_batch("deep_tree", seed=seeds[1], **kw)]
+        self.cache, self.ws = PlanCache(16, "cuda"), TppWorkspace()
+        if capacity:
+            rows = max(b.query.shape[0] for b in self.batches) + 2
+            width = max(b.block_table.shape[1] for b in self.batches)
+            self.batches = [pad_batch(b, rows, width) for b in self.batches]
+            self.cache = PlanCache(16, "cuda", capacity=PlanCapacity.for_batch(rows, width))
+            self.ws = TppWorkspace(spare_rows_per_partial=0)
+        self.host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy())
+                     for b in self.batches]
+        self.outs = [torch.full_like(b.query, float("nan")) for b in self.batches]
+
+    def step(self, i: int) -> None:
+        from vllm_chunkattn.ops import TppLaunch
+        b = self.batches[i]
+        plan = self.cache.get(*self.host[i], num_blocks=b.key_cache.shape[0])
+        launch = TppLaunch(plan, b.block_table, b.seq_lens, 16, 128, "cuda", self.ws)
+        for _layer in range(3):
+            launch.run(b.query, b.key_cache, b.value_cache, b.scale, self.outs[i])
+
+    def check(self) -> None:
+        for b, out in zip(self.batches, self.outs):
+            ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                       b.seq_lens, plan_of(b), b.scale)
+            torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
+
+
 @pytest.mark.parametrize("capacity", [False, True])
 def test_decode_steps_make_no_host_sync(ops, capacity):
-    # #9: what a decode step does per step (PlanCache: host plan, host check, pinned staging into
-    # persistent buffers) and per layer (TppLaunch.run) under sync debug "error". Alternating two
-    # trees rebuilds every step, so both staging slots are reused. capacity: as in a CUDA graph
-    # step (both trees padded to one captured batch size, plans padded to its capacities).
-    from vllm_chunkattn.ops import TppLaunch, TppWorkspace
-    from vllm_chunkattn.plan import PlanCache
-    from vllm_chunkattn.plan_capacity import PlanCapacity
-    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
-    batches = [make_batch("system_prompts", seed=10, **kw), make_batch("deep_tree", seed=11, **kw)]
-    cache, ws = PlanCache(16, "cuda"), TppWorkspace()
-    if capacity:
-        rows = max(b.query.shape[0] for b in batches) + 2
-        width = max(b.block_table.shape[1] for b in batches)
-        batches = [pad_batch(b, rows, width) for b in batches]
-        cache = PlanCache(16, "cuda", capacity=PlanCapacity.for_batch(rows, width))
-        ws = TppWorkspace(spare_rows_per_partial=0)
-    host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy()) for b in batches]
-    outs = [torch.full_like(b.query, float("nan")) for b in batches]
+    # #9: a decode step's host and device work (_DecodeSteps) under sync debug "error".
+    # Alternating two trees rebuilds every step, so both staging slots are reused.
+    steps = _DecodeSteps(capacity, seeds=(10, 11))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(6):
-            i = step % 2
-            b = batches[i]
-            plan = cache.get(*host[i], num_blocks=b.key_cache.shape[0])
-            launch = TppLaunch(plan, b.block_table, b.seq_lens, 16, 128, "cuda", ws)
-            for _layer in range(3):
-                launch.run(b.query, b.key_cache, b.value_cache, b.scale, outs[i])
+        for n in range(6):
+            steps.step(n % 2)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    assert cache.num_builds == 6 and cache._staging.num_uploads == 6
-    for b, out in zip(batches, outs):
-        ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
-                                   b.seq_lens, plan_of(b), b.scale)
-        torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
+    assert steps.cache.num_builds == 6 and steps.cache._staging.num_uploads == 6
+    steps.check()
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -355,41 +371,18 @@ def test_a_decode_step_does_not_wait_for_the_gpu(ops, capacity):
     Event.synchronize, a pinned allocation or a pageable copy): with the GPU busy for a second,
     NUM_SLOTS decode steps (each a rebuild: host plan, host check, staged upload, then three
     layers) are queued and the stream is still busy afterwards, so the host never waited."""
-    from vllm_chunkattn.ops import TppLaunch, TppWorkspace
-    from vllm_chunkattn.plan import PlanCache
-    from vllm_chunkattn.plan_capacity import PlanCapacity
     from vllm_chunkattn.plan_staging import PlanStaging
-    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
-    batches = [make_batch("system_prompts", seed=12, **kw), make_batch("deep_tree", seed=13, **kw)]
-    cache, ws = PlanCache(16, "cuda"), TppWorkspace()
-    if capacity:
-        rows = max(b.query.shape[0] for b in batches) + 2
-        width = max(b.block_table.shape[1] for b in batches)
-        batches = [pad_batch(b, rows, width) for b in batches]
-        cache = PlanCache(16, "cuda", capacity=PlanCapacity.for_batch(rows, width))
-        ws = TppWorkspace(spare_rows_per_partial=0)
-    host = [(b.block_table.cpu().numpy(), b.seq_lens.cpu().numpy()) for b in batches]
-    outs = [torch.full_like(b.query, float("nan")) for b in batches]
-
-    def step(i):
-        b = batches[i]
-        plan = cache.get(*host[i], num_blocks=b.key_cache.shape[0])
-        launch = TppLaunch(plan, b.block_table, b.seq_lens, 16, 128, "cuda", ws)
-        for _layer in range(3):
-            launch.run(b.query, b.key_cache, b.value_cache, b.scale, outs[i])
+    steps = _DecodeSteps(capacity, seeds=(12, 13))
     for i in (0, 1, 0, 1):                           # warm: staging, workspace, kernel attributes
-        step(i)
+        steps.step(i)
     cycles_per_ms = _sleep_cycles_per_ms()
     torch.cuda.synchronize()
-    builds = cache.num_builds
+    builds = steps.cache.num_builds
     torch.cuda._sleep(int(1000 * cycles_per_ms))     # the GPU is busy for about a second
     for n in range(PlanStaging.NUM_SLOTS):
-        step(n % 2)
+        steps.step(n % 2)
     still_busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
-    assert cache.num_builds == builds + PlanStaging.NUM_SLOTS      # every step rebuilt
+    assert steps.cache.num_builds == builds + PlanStaging.NUM_SLOTS      # every step rebuilt
     assert still_busy, "a decode step waited for the GPU (a host sync on the decode path)"
-    for b, out in zip(batches, outs):
-        ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
-                                   b.seq_lens, plan_of(b), b.scale)
-        torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
+    steps.check()
