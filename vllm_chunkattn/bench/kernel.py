@@ -90,11 +90,13 @@ class KvPool:
 
 # ---- the contenders: each returns a zero-argument callable writing into a preallocated output
 
-def ours(bt: Batch, plan):
-    """One layer's call, as the backend makes it: the step's TppLaunch is built beforehand."""
+def ours(bt: Batch, plan, workspace: TppWorkspace | None = None):
+    """One layer's call, as the backend makes it: the step's TppLaunch is built beforehand.
+    workspace: its own TppWorkspace() unless given (graph mode: no split spares)."""
     out = torch.empty_like(bt.query)
     launch = TppLaunch(plan.to(bt.query.device), bt.block_table, bt.seq_lens, bt.query.shape[1],
-                       bt.query.shape[2], bt.query.device, TppWorkspace(), kernel="native")
+                       bt.query.shape[2], bt.query.device, workspace or TppWorkspace(),
+                       kernel="native")
     return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)
 
 
@@ -184,8 +186,13 @@ def flashinfer_decode(bt: Batch):
         fn = batch_decode(bt, bt.key_cache.shape[1])
         fn()
     except Exception as e:
-        return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+        return None, error_reason(e, 160)
     return fn, ""
+
+
+def error_reason(e: Exception, limit: int) -> str:
+    """A baseline left out, in one line: the exception's type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}"
 
 
 # ---- timing

@@ -34,14 +34,14 @@ import time
 
 import torch
 
-from ..ops import TppLaunch, TppWorkspace
+from ..ops import TppWorkspace
 from ..ops.reference import tpp_decode_reference
 from ..plan import PlanCache, build_plan, empty_plan
 from ..plan_capacity import PlanCapacity
 from . import provenance
 from .cascade_levels import cascade_levels
 from .flashinfer_baselines import batch_decode, flashinfer_version, multi_level_cascade
-from .kernel import KvPool, Timer, ours, sdpa_per_sequence
+from .kernel import KvPool, Timer, error_reason, ours, sdpa_per_sequence
 from .kernel_gpu_report import write_report
 from .kernel_trees import ALL_GPU, GRIDS, describe, pool_blocks, tree_block_table
 from .roofline import (chunk_first_flops, chunk_first_rows, copy_bytes, gemm_size,
@@ -115,14 +115,11 @@ def ours_capacity_mode(bt, block_size: int):
     plans = PlanCache(block_size, bt.query.device,
                       capacity=PlanCapacity.for_batch(num_seqs, width))
     plan = plans.get(bt.block_table.cpu().numpy(), bt.seq_lens.cpu().numpy())
-    launch = TppLaunch(plan, bt.block_table, bt.seq_lens, bt.query.shape[1], bt.query.shape[2],
-                       bt.query.device, TppWorkspace(spare_rows_per_partial=0), kernel="native")
-    out = torch.empty_like(bt.query)
-    return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)
+    return ours(bt, plan, TppWorkspace(spare_rows_per_partial=0))
 
 
 def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}"
+    return error_reason(e, 120)
 
 
 def make_contenders(bt, plan, levels, block_size: int, device, fi_why: str,
