@@ -30,20 +30,23 @@
 namespace chunkattn {
 namespace {
 
-int sm_count(int device) {
+// A device attribute, read once per device (fallback when the runtime cannot tell).
+template <cudaDeviceAttr kAttr>
+int device_attribute(int device, int fallback) {
   static int cache[64] = {};
   if (device < 0 || device >= 64) device = 0;
   if (cache[device] == 0) {
     int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
-      n = 100;
+    if (cudaDeviceGetAttribute(&n, kAttr, device) != cudaSuccess || n <= 0) n = fallback;
     cache[device] = n;
   }
   return cache[device];
 }
 
-// The partial kernel's dynamic shared memory for a head size, and whether this device can give
-// it: head 256 needs ~100 KB, over the 99 KB per block of sm_86/89/120 (A10, L4, RTX 30-50).
+int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 100); }
+
+// The partial kernel's dynamic shared memory for a head size, and what the device can give a
+// block: head 256 needs ~100 KB, over the 99 KB of sm_86/89/120 (A10, L4, RTX 30-50). 0: unknown.
 int partial_smem_bytes(int head_size) {
   switch (head_size) {
     case 64: return TileShape<64>::smem_bytes(kMaxRows);
@@ -53,15 +56,7 @@ int partial_smem_bytes(int head_size) {
 }
 
 int smem_optin_bytes(int device) {
-  static int cache[64] = {};
-  if (device < 0 || device >= 64) device = 0;
-  if (cache[device] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-      n = 0;
-    cache[device] = n;
-  }
-  return cache[device];
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 0);
 }
 
 int env_int(const char* name) {
