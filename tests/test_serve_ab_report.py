@@ -113,3 +113,17 @@ def test_goals_and_setup_in_the_markdown(report):
 def test_no_results_is_a_clear_error(tmp_path, capsys):
     assert serve_ab_report.main([str(tmp_path), "--tag", "x", "--out", str(tmp_path)]) == 2
     assert "no results_<system>-r<round>.tar.gz" in capsys.readouterr().out
+
+
+def test_the_device_summary_has_the_reports_rows(tmp_path):
+    """serve_ab.sh prints one run's table on the device through the same rows as the report."""
+    call = _call(tmp_path, "stock", 1)
+    run = tmp_path / "run"
+    with tarfile.open(call / "results_stock-r1.tar.gz") as t:
+        t.extractall(run, filter="data")
+    md = serve_ab_report.summary(run, call / "server_stock-r1.log", "stock-r1")
+    lines = md.splitlines()
+    assert lines[0].startswith("# stock-r1:") and len(lines) == 4 + 3
+    # random: 1000 tok/s, peak KV 0.50; n8x1k TPOT per sequence: (1.5 + 2.5) / 2 / 255 s
+    assert "| random | 2 | 1000.0 | 7.84 |" in md and "| 50.0 | 32 |" in md
+    assert f"| n8x1k | 2 | 500.0 | {1e3 * 2.0 / 255:.2f} |" in md

@@ -124,31 +124,9 @@ kill $SAMPLER 2> /dev/null
 kill -INT $SERVER; wait $SERVER 2> /dev/null
 echo "server stopped; $((SECONDS - t0)) s in all"
 
-$PY - "$WORK" "$TAG" "${WORKLOADS[@]}" > "$OUT/summary_$TAG.md" <<'PY'
-import json, sys
-from pathlib import Path
-work, tag, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-peak = {}
-for line in (work / "kv.tsv").read_text().splitlines() if (work / "kv.tsv").exists() else []:
-    _, w, metric, value = line.split()
-    key = (w, metric.split("{")[0])
-    peak[key] = max(peak.get(key, 0.0), float(value))
-print(f"# {tag}: vllm serve Llama-3-8B shape (dummy bf16), vllm bench serve\n")
-print("| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
-      "| peak KV % | peak running |")
-print("|---|---|---|---|---|---|---|---|")
-for n in names:
-    f = work / f"{n}.json"
-    if not f.exists():
-        print(f"| {n} | (no result) |||||||")
-        continue
-    r = json.loads(f.read_text())
-    print(f"| {n} | {r.get('completed')} | {r.get('output_throughput', 0):.1f} "
-          f"| {r.get('mean_tpot_ms', 0):.2f} | {r.get('p99_tpot_ms', 0):.2f} "
-          f"| {r.get('mean_ttft_ms', 0):.1f} "
-          f"| {100 * peak.get((n, 'vllm:kv_cache_usage_perc'), 0):.1f} "
-          f"| {peak.get((n, 'vllm:num_requests_running'), 0):.0f} |")
-PY
+# The same rows as the A/B report (python -m vllm_chunkattn.bench.serve_ab_report), for this run.
+$PY -m vllm_chunkattn.bench.serve_ab_report --summary "$WORK" "$OUT/server_$TAG.log" "$TAG" \
+  > "$OUT/summary_$TAG.md"
 grep -m1 "kernel=" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
 # Which CUDA graphs were captured (FULL decode graphs include CUSTOM's attention) and whether
 # async scheduling stayed on (vLLM's GPU default; the flag must leave it alone).

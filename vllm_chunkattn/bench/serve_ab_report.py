@@ -55,23 +55,17 @@ def peaks(kv_tsv: str) -> dict:
     return out
 
 
-def read_call(tarball: Path, work: Path) -> list[dict]:
-    """One system's rows (a row per workload) from one serve_ab.sh call."""
-    system, rnd = TAG_RE.search(tarball.name).groups()
-    dest = work / f"{system}-r{rnd}"
-    with tarfile.open(tarball) as t:
-        t.extractall(dest, filter="data")
-    log_path = tarball.with_name(f"server_{system}-r{rnd}.log")
-    log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    capacity = kv_capacity_tokens(log)
-    kv = peaks((dest / "kv.tsv").read_text()) if (dest / "kv.tsv").exists() else {}
+def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
+    """One system's rows (a row per workload) from one serve_ab.sh run's work folder."""
+    capacity = kv_capacity_tokens(server_log)
+    kv = peaks((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
     rows = []
     for name, shape in WORKLOADS.items():
-        result = dest / f"{name}.json"
+        result = run / f"{name}.json"
         if not result.exists():
             continue
         res = json.loads(result.read_text())
-        row = dict(system=system, round=int(rnd), workload=name, **shape,
+        row = dict(system=system, round=rnd, workload=name, **shape,
                    request_rate=float("inf"), num_prompts=res.get("num_prompts", 0))
         row.update(latency_metrics(res, shape["n"]))
         usage = kv.get((name, "vllm:kv_cache_usage_perc"), 0.0)
@@ -80,6 +74,31 @@ def read_call(tarball: Path, work: Path) -> list[dict]:
                    status="ok" if not row["failed"] else f"{row['failed']} requests failed")
         rows.append(row)
     return rows
+
+
+def read_call(tarball: Path, work: Path) -> list[dict]:
+    """read_run over one serve_ab.sh call's returned files (results tarball + server log)."""
+    system, rnd = TAG_RE.search(tarball.name).groups()
+    dest = work / f"{system}-r{rnd}"
+    with tarfile.open(tarball) as t:
+        t.extractall(dest, filter="data")
+    log_path = tarball.with_name(f"server_{system}-r{rnd}.log")
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return read_run(dest, system, int(rnd), log)
+
+
+def summary(run: Path, server_log: Path, tag: str) -> str:
+    """serve_ab.sh's per-call table (on the device, before the files travel): the report's
+    columns for one run."""
+    system, rnd = tag.rsplit("-r", 1)
+    rows = read_run(run, system, int(rnd), server_log.read_text(errors="replace"))
+    lines = [f"# {tag}: vllm serve, vllm bench serve (TPOT per sequence)", "",
+             "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
+             "| peak KV % | peak running |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
+              f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
+              f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} |" for r in rows]
+    return "\n".join(lines)
 
 
 def combine(rounds: list[dict]) -> list[dict]:
@@ -112,11 +131,19 @@ def _setup_text(work: Path, pattern: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("calls", nargs="+", type=Path, help="folders of serve_ab.sh calls' files")
-    ap.add_argument("--tag", required=True)
+    ap.add_argument("calls", nargs="*", type=Path, help="folders of serve_ab.sh calls' files")
+    ap.add_argument("--tag")
+    ap.add_argument("--summary", nargs=3, metavar=("RUN_DIR", "SERVER_LOG", "SYSTEM-rROUND"),
+                    help="print one run's table instead (serve_ab.sh, on the device)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--commit", default="?", help="the commit the device ran")
     a = ap.parse_args(argv)
+    if a.summary:
+        run, log, tag = a.summary
+        print(summary(Path(run), Path(log), tag))
+        return 0
+    if not a.calls or not a.tag:
+        ap.error("give --tag and the call folders (or --summary)")
     tarballs = sorted(p for d in a.calls for p in d.glob("results_*-r*.tar.gz"))
     if not tarballs:
         print("serve_ab_report: no results_<system>-r<round>.tar.gz in the given folders")
