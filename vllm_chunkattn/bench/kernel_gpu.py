@@ -155,8 +155,8 @@ def make_contenders(bt, plan, levels, block_size: int, device, fi_why: str,
             try:
                 fns[graph_key[0]] = cuda_graph(fns[name])
             except Exception as e:               # a capture that fails once fails everywhere
-                missing[graph_key[0]] = _why(e)
-                fi_broken[graph_key] = f"capture failed on an earlier point: {_why(e)}"
+                why = missing[graph_key[0]] = _why(e)
+                fi_broken[graph_key] = f"capture failed on an earlier point: {why}"
     if bt.query.shape[0] <= SDPA_MAX_ROWS:
         fns["sdpa"] = sdpa_per_sequence(bt)
     else:
