@@ -209,6 +209,19 @@ if cuda:
               "flash-attn version", get_flash_attn_version(head_size=128))
     except Exception as e:  # noqa: BLE001
         print("flash-attn version: unknown -", repr(e))
+    # Our CUDA kernel for this torch, built here (~1 min) rather than inside the CUSTOM server's
+    # start, whose call has its own budget (serve_ab.sh); the build is cached by torch version.
+    import time
+    t = time.time()
+    try:
+        from vllm_chunkattn.ops.native import kernel_name
+        kernel = kernel_name("cuda")
+        print(f"chunkattn kernel: {kernel} in {time.time() - t:.0f} s (JIT build cached in "
+              f"{os.environ['CHUNKATTN_BUILD_DIR']})")
+        ok &= kernel == "native-cuda"
+    except Exception as e:  # noqa: BLE001
+        print("chunkattn kernel: build FAILED -", str(e)[-3000:])
+        ok = False
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 print("vllm.general_plugins:", eps)
 ok &= "vllm_chunkattn.plugin:register" in eps

