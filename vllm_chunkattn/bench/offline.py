@@ -210,7 +210,7 @@ def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Pat
              f"{m['num_heads']} q / {m['num_kv_heads']} kv heads, head_dim {m['head_size']})"
              f"{', dummy weights' if setup['dummy'] else ''}; dtype {setup['dtype']}, "
              f"block size {setup['block_size']}, enforce_eager {setup['enforce_eager']}, "
-             f"KV space {setup['kv_cache_gb']} GiB per engine",
+             f"{setup['kv_space']} per engine",
              f"- commit {setup['commit']}, {setup['native']}, {setup['date']}, "
              f"wall {setup['wall_min']:.1f} min; engine logs in `{setup['log_dir']}`", "",
              f"Each timed call is one `LLM.generate` of the whole batch (greedy, ignore_eos) after "
@@ -280,6 +280,9 @@ def parse_args(argv):
     p.add_argument("--kv-cache-gb", type=int, default=1,
                    help="VLLM_CPU_KVCACHE_SPACE per engine (1 GiB: 32K tokens of Llama-3.2-1B; "
                         "each of its engines then holds ~5.5 GB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="per engine on a GPU, where both engines share the device (vLLM's "
+                        "default 0.9 would leave the second too little to start); unused on CPU")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
@@ -305,6 +308,9 @@ def main(argv=None) -> int:
                   max_num_seqs=max(a.batch, 1), enforce_eager=a.enforce_eager)
     if dummy:
         kwargs["load_format"] = "dummy"
+    import torch
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = a.gpu_memory_utilization
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="chunkattn-offline-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     tag = a.tag or Path(a.model).name
@@ -312,19 +318,24 @@ def main(argv=None) -> int:
              "machine": provenance.machine(), "load_before": provenance.load_average(),
              "model": {"path": a.model, **describe(a.model)}, "dummy": dummy, "dtype": a.dtype,
              "block_size": a.block_size, "enforce_eager": a.enforce_eager,
-             "kv_cache_gb": a.kv_cache_gb, "commit": provenance.git_commit(),
+             "kv_space": (f"gpu_memory_utilization {a.gpu_memory_utilization}"
+                          if "gpu_memory_utilization" in kwargs else
+                          f"KV space {a.kv_cache_gb} GiB"), "commit": provenance.git_commit(),
              "native": provenance.native_build(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "max_tokens": a.max_tokens, "repeats": a.repeats, "log_dir": str(log_dir)}
     print(f"offline: {len(workloads)} workloads on {a.model} ({a.dtype}); engine logs in "
           f"{log_dir}", flush=True)
     t_start = time.monotonic()
-    engines = {s: Engine(s, {**kwargs, "attention_backend": "CUSTOM"} if s == "custom" else kwargs,
-                         a.kv_cache_gb, log_dir / f"{s}.log") for s in SYSTEMS}
+    engines: dict[str, Engine] = {}
     rows: list[dict] = []
     rc = 0
     try:
-        for engine in engines.values():
-            engine.wait_ready()
+        # One after the other: on a GPU, vLLM's start-up memory profile fails when another
+        # process's memory changes meanwhile.
+        for s in SYSTEMS:
+            engines[s] = Engine(s, {**kwargs, "attention_backend": "CUSTOM"} if s == "custom"
+                                else kwargs, a.kv_cache_gb, log_dir / f"{s}.log")
+            engines[s].wait_ready()
         print(f"offline: engines ready after {time.monotonic() - t_start:.0f} s", flush=True)
         for w in workloads:
             t0 = time.monotonic()
