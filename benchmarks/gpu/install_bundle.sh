@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/install_bundle.sh unpack     # reassemble the parts, verify every wheel
 #   bash benchmarks/gpu/install_bundle.sh install    # unpack, pip --target, link CUDA libs, check
 #   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vllm._C, the plugin
+#   bash benchmarks/gpu/install_bundle.sh gputests   # the GPU tests that need vLLM (#9's goals)
 #   eval "$(bash benchmarks/gpu/install_bundle.sh env)"   # exports for vllm serve / bench
 # Everything lives under /tmp, which the device keeps between calls while the machine is warm.
 set -euo pipefail
@@ -251,12 +252,31 @@ sys.exit(0 if ok else 1)
 PY
 }
 
+# The GPU tests that import vLLM skip in run_on_device.sh (the image has none): builder + forward
+# with no host sync, and FULL decode graphs replaying each step's tree through the builder.
+# All of them must pass here: a skip is a failure.
+gputests() {
+  eval "$(print_env)"
+  local files last
+  mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py | xargs grep -l 'importorskip("vllm")')
+  log "GPU tests under vLLM: ${files[*]}"
+  "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu "${files[@]}" 2>&1 \
+    | tee /tmp/vllm_gputests.log || true      # judged by its last line below
+  last=$(tail -1 /tmp/vllm_gputests.log)
+  if [[ $last == *passed* && $last != *failed* && $last != *error* && $last != *skipped* ]]; then
+    log "GPU tests under vLLM: OK ($last)"
+  else
+    log "GPU tests under vLLM: FAILED ($last)"; return 1
+  fi
+}
+
 case "${1:-}" in
   facts) facts ;;
   collect) collect ;;
   unpack) unpack ;;
   install) install ;;
   check) check ;;
+  gputests) gputests ;;
   env) print_env ;;
   *) sed -n '2,10p' "$0"; exit 2 ;;
 esac
