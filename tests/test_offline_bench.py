@@ -30,6 +30,9 @@ def test_offline_bench_tiny(tmp_path):
     for r in rows:
         assert float(r["median_tok_s"]) > 0, r
         assert int(r["mismatched_requests"]) == 0, r
+        # fp32: the systems' logprobs agree to rounding; no divergence, so no tie gap.
+        assert 0 <= float(r["max_logprob_diff"]) < 1e-3, r
+        assert r["max_tie_gap"] == "nan", r
         # The warm-up cached every prompt: a timed call recomputes only the last token.
         assert float(r["cached_prompt_pct"]) > 99, r
     md = (out / "offline_test.md").read_text()

@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_chunkattn.bench import provenance
+from vllm_chunkattn.bench.token_identity import TOP_K, compare, position_logprobs
 from vllm_chunkattn.model_shapes import describe, has_weights
 
 SYSTEMS = ("stock", "custom")
 COLUMNS = ["workload", "shared_len", "private_len", "prompt_len", "batch", "max_tokens", "system",
            "median_tok_s", "best_tok_s", "median_step_ms", "best_step_ms", "ratio_custom_stock",
-           "cached_prompt_pct", "mismatched_requests", "seconds"]
+           "cached_prompt_pct", "mismatched_requests", "max_logprob_diff", "max_tie_gap",
+           "seconds"]
 
 
 @dataclass
@@ -65,8 +67,9 @@ def make_workloads(a, vocab: list[int]) -> list[Workload]:
 # ---- engine processes
 
 def _engine_main(conn, engine_kwargs: dict, kv_cache_gb: int, log_path: str) -> None:
-    """Child: one LLM; answers ("generate", prompts, max_tokens) with (seconds, token ids,
-    cached prompt tokens) until ("stop",). Its (and its EngineCore's) output goes to log_path."""
+    """Child: one LLM; answers ("generate", prompts, max_tokens, logprobs) with (seconds, token
+    ids, cached prompt tokens, per-position logprobs or None) until ("stop",). Its (and its
+    EngineCore's) output goes to log_path."""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -87,16 +90,18 @@ def _engine_main(conn, engine_kwargs: dict, kv_cache_gb: int, log_path: str) -> 
             # which would wait forever for this client's shutdown.
             llm.llm_engine.engine_core.shutdown()
             break
-        _, prompts, max_tokens = msg
+        _, prompts, max_tokens, logprobs = msg
         # No detokenizing: model_shapes models emit ids past their small tokenizer's vocab.
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=False)
+                                detokenize=False, logprobs=logprobs)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=False)
         seconds = time.perf_counter() - t0
         conn.send(("done", (seconds, [list(o.outputs[0].token_ids) for o in outs],
-                            sum(o.num_cached_tokens or 0 for o in outs))))
+                            sum(o.num_cached_tokens or 0 for o in outs),
+                            [position_logprobs(o.outputs[0]) for o in outs] if logprobs
+                            else None)))
     conn.close()
 
 
@@ -113,8 +118,9 @@ class Engine:
     def wait_ready(self) -> None:
         self._recv("ready")
 
-    def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]], int]:
-        self.conn.send(("generate", prompts, max_tokens))
+    def generate(self, prompts, max_tokens: int, logprobs: int | None = None):
+        """(seconds, token ids per prompt, cached prompt tokens, logprobs per prompt or None)"""
+        self.conn.send(("generate", prompts, max_tokens, logprobs))
         return self._recv("done")
 
     def stop(self) -> None:
@@ -153,11 +159,15 @@ def run_workload(engines: dict[str, Engine], w: Workload, a) -> list[dict]:
     tokens, cached = {}, {}
     for _ in range(a.repeats):
         for s in ("stock", "custom", "custom", "stock"):
-            seconds, out, num_cached = engines[s].generate(w.prompts, a.max_tokens)
+            seconds, out, num_cached, _ = engines[s].generate(w.prompts, a.max_tokens)
             times[s].append(seconds)
             tokens.setdefault(s, out)
             cached.setdefault(s, num_cached)
     mismatched = sum(x != y for x, y in zip(tokens["stock"], tokens["custom"]))
+    # One untimed call more per system, with logprobs: how close the systems' numbers are.
+    checked = {s: engines[s].generate(w.prompts, a.max_tokens, TOP_K) for s in SYSTEMS}
+    identity = compare(checked["stock"][1], checked["custom"][1], checked["stock"][3],
+                       checked["custom"][3])
     num_out = len(w.prompts) * a.max_tokens
     rows = []
     for s in SYSTEMS:
@@ -170,6 +180,8 @@ def run_workload(engines: dict[str, Engine], w: Workload, a) -> list[dict]:
                      "best_step_ms": 1e3 * best / a.max_tokens,
                      "cached_prompt_pct": 100 * cached[s] / sum(map(len, w.prompts)),
                      "mismatched_requests": mismatched,
+                     "max_logprob_diff": identity.max_logprob_diff,
+                     "max_tie_gap": identity.max_tie_gap,
                      "seconds": " ".join(f"{t:.3f}" for t in times[s])})
     ratio = rows[1]["median_tok_s"] / rows[0]["median_tok_s"]
     for r in rows:
@@ -218,10 +230,15 @@ def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Pat
              f"step + {setup['max_tokens'] - 1} decode steps. Order A B B A x {setup['repeats']}. "
              f"tok/s = batch x max_tokens / seconds; step = seconds / max_tokens. Cached % is the "
              f"share of prompt tokens the timed call found in the prefix cache. Mismatched = "
-             f"requests whose greedy token ids differ between the systems.", "",
+             f"requests whose greedy token ids differ between the systems. From one more "
+             f"untimed call per system with top-{TOP_K} logprobs: max |Δ logprob| of the sampled "
+             f"token while both saw the same context, and, where tokens differ, the tie gap "
+             f"at the first divergence: how much each system preferred its own token (near 0: "
+             f"a rounding tie; inf: the other's token not in its top {TOP_K}).", "",
              "| workload | prompt (shared + private) | batch | stock tok/s med / best | "
              "custom tok/s med / best | custom / stock | stock step ms | custom step ms | "
-             "cached % stock / custom | mismatched |", "|" + "---|" * 10]
+             "cached % stock / custom | mismatched | max \\|Δ logprob\\| | tie gap |",
+             "|" + "---|" * 12]
     by = {(r["workload"], r["system"]): r for r in rows}
     for name in dict.fromkeys(r["workload"] for r in rows):
         st, cu = by[(name, "stock")], by[(name, "custom")]
@@ -231,7 +248,8 @@ def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Pat
             f"{cu['median_tok_s']:.1f} / {cu['best_tok_s']:.1f} | "
             f"{st['ratio_custom_stock']:.2f}× | {st['median_step_ms']:.1f} | "
             f"{cu['median_step_ms']:.1f} | {st['cached_prompt_pct']:.1f} / "
-            f"{cu['cached_prompt_pct']:.1f} | {st['mismatched_requests']} / {st['batch']} |")
+            f"{cu['cached_prompt_pct']:.1f} | {st['mismatched_requests']} / {st['batch']} | "
+            f"{st['max_logprob_diff']:.2g} | {st['max_tie_gap']:.3g} |")
     for s, share in shared_cost_removed(rows):
         lines += ["", f"Share of the shared-prefix attention cost removed at S = {s}: "
                   f"(TPOT_stock({s}) - TPOT_custom({s})) / (TPOT_stock({s}) - TPOT_stock(0)) = "
