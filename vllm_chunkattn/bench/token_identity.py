@@ -25,11 +25,9 @@ def position_logprobs(completion) -> list[dict[int, float]]:
 
 @dataclass
 class TokenIdentity:
-    requests: int
-    mismatched: int
+    mismatched: int           # requests whose token ids differ
     max_logprob_diff: float   # |lp_stock - lp_custom| of the sampled token, shared context only
     max_tie_gap: float        # over mismatched requests and both systems; nan when none differ
-    first_divergence: list[int]   # position of the first differing token, per mismatched request
 
 
 def compare(stock_tokens: list[list[int]], custom_tokens: list[list[int]],
@@ -38,7 +36,7 @@ def compare(stock_tokens: list[list[int]], custom_tokens: list[list[int]],
     if not (len(stock_tokens) == len(custom_tokens) == len(stock_logprobs)
             == len(custom_logprobs)):
         raise ValueError("both systems must answer the same requests, with logprobs")
-    max_diff, gaps, first = 0.0, [], []
+    max_diff, gaps = 0.0, []
     for ts, tc, ls, lc in zip(stock_tokens, custom_tokens, stock_logprobs, custom_logprobs):
         k = next((i for i, (a, b) in enumerate(zip(ts, tc)) if a != b), None)
         if k is None and len(ts) != len(tc):
@@ -48,11 +46,9 @@ def compare(stock_tokens: list[list[int]], custom_tokens: list[list[int]],
             max_diff = max(max_diff, abs(ls[i][ts[i]] - lc[i][tc[i]]))
         if k is None:
             continue
-        first.append(k)
         if k < len(ts) and k < len(tc):
             a, b = ts[k], tc[k]
             gaps.append(max(ls[k][a] - ls[k].get(b, -math.inf), lc[k][b] - lc[k].get(a, -math.inf)))
         else:
             gaps.append(math.inf)
-    return TokenIdentity(len(stock_tokens), len(first), max_diff,
-                         max(gaps) if gaps else math.nan, first)
+    return TokenIdentity(len(gaps), max_diff, max(gaps) if gaps else math.nan)
