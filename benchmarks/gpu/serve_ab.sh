@@ -81,6 +81,7 @@ stop() {   # $1: our server's pid: SIGINT (vLLM's clean shutdown), then SIGKILL 
   $PY - "$1" "$MODEL" <<'PY'
 import contextlib, psutil, signal, sys
 what, model = sys.argv[1:3]
+grace = 0 if what == "leftover" else 30
 if what == "leftover":
     roots = [p for p in psutil.process_iter(["cmdline"]) if model in (p.info["cmdline"] or [])
              and any(a.endswith("serve") for a in p.info["cmdline"])]
@@ -92,13 +93,13 @@ procs = list(roots)
 for r in roots:
     with contextlib.suppress(psutil.NoSuchProcess):
         procs += r.children(recursive=True)
-        if what != "leftover":
+        if grace:
             r.send_signal(signal.SIGINT)
-for q in psutil.wait_procs(procs, timeout=0 if what == "leftover" else 30)[1]:
+for q in psutil.wait_procs(procs, timeout=grace)[1]:
     with contextlib.suppress(psutil.NoSuchProcess):
         q.kill()
-        if what != "leftover":
-            print(f"killed {q.pid} (still there 30 s after SIGINT)")
+        if grace:
+            print(f"killed {q.pid} (still there {grace} s after SIGINT)")
 psutil.wait_procs(procs, timeout=10)
 PY
 }
@@ -141,10 +142,12 @@ SAMPLER=$!
 # before the first), and is cut where the budget ends: however long the server took to start,
 # the call ends inside BUDGET_S, and a short budget still runs every workload that fits.
 longest=0
+budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
 bench() {   # name, then `vllm bench serve` flags
   local name=$1; shift
-  local left=$((BUDGET_S - STOP_S - SECONDS)) start=$SECONDS
-  [ $left -ge 10 ] || { echo "$name: skipped (budget: $left s left)"; return; }
+  local left start=$SECONDS
+  left=$(budget_left)
+  [ "$left" -ge 10 ] || { echo "$name: skipped (budget: $left s left)"; return; }
   echo "$name" > "$WORK/current"
   echo "$*" > "$WORK/$name.flags"
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
@@ -160,8 +163,8 @@ bench() {   # name, then `vllm bench serve` flags
 bench warmup $(workload random | sed "s/--num-prompts $N/--num-prompts 8/")
 for w in "${WORKLOADS[@]}"; do
   need=$((longest > 0 ? longest : ${GUESS_S:-60}))
-  left=$((BUDGET_S - STOP_S - SECONDS))
-  [ $left -ge $need ] || { echo "$w: skipped (budget: $left s left, need ~$need s)"; continue; }
+  left=$(budget_left)
+  [ "$left" -ge "$need" ] || { echo "$w: skipped (budget: $left s left, need ~$need s)"; continue; }
   # shellcheck disable=SC2046
   bench "$w" $(workload "$w")
 done
