@@ -9,13 +9,12 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.testing import TREE_SPECS, caterpillar_batch, pad_batch, random_tree_batch
+from vllm_chunkattn.testing import (TC_TOL, TREE_SPECS, assert_matches_reference, caterpillar_batch, pad_batch,
+                                    random_tree_batch)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
-LSE_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=5e-3, rtol=5e-3)}
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
 
 
@@ -60,12 +59,7 @@ def run(ops, b, plan, spare_slots=0, out=None, lse=None):
     return out, lse
 
 
-def check(b, plan, out, lse):
-    ref, ref_lse = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
-                                        b.seq_lens, plan, b.scale, return_lse=True)
-    assert not out.isnan().any() and not lse.isnan().any()
-    torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
-    torch.testing.assert_close(lse, ref_lse, **LSE_TOL[b.query.dtype])
+check = assert_matches_reference
 
 
 def plan_of(b):
@@ -334,7 +328,7 @@ class _DecodeSteps:
         for b, out in zip(self.batches, self.outs):
             ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
                                        b.seq_lens, plan_of(b), b.scale)
-            torch.testing.assert_close(out, ref, **TOL[b.query.dtype])
+            torch.testing.assert_close(out, ref, **TC_TOL[b.query.dtype])
 
 
 @pytest.mark.parametrize("capacity", [False, True])

@@ -129,3 +129,20 @@ TREE_SPECS: dict[str, dict] = {
     "batch_17": dict(fanouts=[2, 9], max_node_blocks=2, max_private_blocks=2, max_seqs=17),
     "batch_1": dict(fanouts=[1], max_node_blocks=2, max_private_blocks=1),
 }
+
+
+# Tolerances of the tensor-core kernels (fp16/bf16 inputs, fp32 accumulation) against the fp32
+# reference: the CUDA op's tests on a GPU and its SIMT emulation on CPU use the same.
+TC_TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+TC_LSE_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=5e-3, rtol=5e-3)}
+
+
+def assert_matches_reference(b: TreeBatch, plan, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out / lse of a tensor-core TPP kernel (every element written: no NaN) against
+    tpp_decode_reference of the same batch and plan."""
+    from .ops.reference import tpp_decode_reference
+    ref, ref_lse = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
+                                        b.seq_lens, plan, b.scale, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref, **TC_TOL[b.query.dtype])
+    torch.testing.assert_close(lse, ref_lse, **TC_LSE_TOL[b.query.dtype])

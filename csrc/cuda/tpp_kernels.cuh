@@ -20,9 +20,13 @@
 // log2 domain (scores * scale * log2 e); states leave the kernel with natural-log m.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#ifdef CHUNKATTN_SIMT_EMULATION
+#include "../cuda_emu/simt_emu.h"  // tests only: CPU fibers stand in for CUDA threads
+#else
 #include <cuda_runtime.h>
+
+#include "tpp_ptx.cuh"
+#endif
 #include <stdint.h>
 
 namespace chunkattn {
@@ -82,80 +86,6 @@ struct TppParams {
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;
 };
-
-// ---- PTX wrappers (sm_80+) ----
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy; src_bytes == 0 zero-fills the destination (masked tokens, absent rows).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-
-template <typename T>
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0,
-                                          uint32_t b1);
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float c[4], const uint32_t a[4], uint32_t b0,
-                                                  uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float c[4], const uint32_t a[4],
-                                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-template <typename T>
-__device__ __forceinline__ void store2(T* dst, float a, float b);
-template <>
-__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
-  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
-}
-template <>
-__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
 
 // exp2 offset for a running max: an empty state (m = -inf) uses 0 so -inf - (-inf) never occurs.
 __device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
@@ -537,34 +467,40 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_final_kernel(const TppParams 
   attend_tile<T, D, 1, true>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
 }
 
-// Grid sizes of the two launches; all from host ints, so a captured graph replays them as is.
-inline int partial_grid_x(const TppParams& p) {
-  return p.chunk_splits * p.num_windows * p.chunk_head_tiles +
-         p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles;
+// Grids (x; y is num_kv_heads) and dynamic smem of the two launches, all from host ints, so a
+// captured graph replays them as is. The CPU emulation launches the same shapes.
+struct TppLaunchShape {
+  int partial_grid_x, final_grid_x, partial_smem, final_smem;
+};
+template <int D>
+inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
+  using S = TileShape<D>;
+  return {p.chunk_splits * p.num_windows * p.chunk_head_tiles +
+              p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles,
+          p.num_seqs * p.seq_head_tiles, S::smem_bytes(kMaxRows), S::smem_bytes(16)};
 }
 
+#ifndef CHUNKATTN_SIMT_EMULATION
 template <typename T, int D>
 cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream) {
-  using S = TileShape<D>;
-  const int partial_smem = S::smem_bytes(kMaxRows), final_smem = S::smem_bytes(16);
+  const TppLaunchShape shape = tpp_launch_shape<D>(p);
   // Opting in to > 48 KB of dynamic smem is a host-side attribute of the current context, not a
   // stream op (allowed while a graph is captured): set on every launch, so a new context (after
   // a device reset) or another thread never launches without it.
   cudaError_t attr = cudaFuncSetAttribute(tpp_partial_kernel<T, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, partial_smem);
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, shape.partial_smem);
   if (attr != cudaSuccess) return attr;
   attr = cudaFuncSetAttribute(tpp_final_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              final_smem);
+                              shape.final_smem);
   if (attr != cudaSuccess) return attr;
-  const int gx = partial_grid_x(p);
-  if (gx > 0) {
-    tpp_partial_kernel<T, D><<<dim3(gx, p.num_kv_heads), kThreads, partial_smem, stream>>>(p);
+  if (shape.partial_grid_x > 0) {
+    tpp_partial_kernel<T, D><<<dim3(shape.partial_grid_x, p.num_kv_heads), kThreads, shape.partial_smem,
+                               stream>>>(p);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  if (p.num_seqs > 0) {
-    tpp_final_kernel<T, D><<<dim3(p.num_seqs * p.seq_head_tiles, p.num_kv_heads), kThreads,
-                             final_smem, stream>>>(p);
+  if (shape.final_grid_x > 0) {
+    tpp_final_kernel<T, D><<<dim3(shape.final_grid_x, p.num_kv_heads), kThreads, shape.final_smem, stream>>>(p);
     return cudaGetLastError();
   }
   return cudaSuccess;
@@ -581,5 +517,6 @@ CHUNKATTN_EXTERN(__nv_bfloat16, 128)
 CHUNKATTN_EXTERN(__nv_bfloat16, 256)
 #undef CHUNKATTN_EXTERN
 #endif
+#endif  // CHUNKATTN_SIMT_EMULATION
 
 }  // namespace chunkattn

@@ -130,3 +130,23 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
         is_python_module=False,
         verbose=verbose,
     )
+
+
+def load_simt_emulation(csrc_dir, verbose: bool = False) -> None:
+    """Builds (or reuses) and loads csrc/cuda_emu: torch.ops.chunkattn_simt.tpp_decode runs the
+    CUDA kernel's own source (csrc/cuda/tpp_kernels.cuh) on CPU tensors through a SIMT emulation.
+    For tests on machines without a GPU; needs a C++ compiler only (no nvcc, no CUDA torch)."""
+    from torch.utils import cpp_extension
+
+    csrc_dir = Path(csrc_dir)
+    out = build_dir(csrc_dir, "simt-emulation")
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="vllm_chunkattn_simt",
+        sources=[str(csrc_dir / "cuda_emu" / f) for f in ("simt_emu.cpp", "tpp_decode_emulated.cpp")],
+        extra_cflags=["-O2", "-Wno-unknown-pragmas"],
+        extra_include_paths=[str(csrc_dir)],
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=verbose,
+    )

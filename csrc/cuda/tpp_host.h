@@ -1,0 +1,146 @@
+// Host side of the CUDA TPP launch that does not touch the GPU: what the tensor-core kernel adds
+// to the shared contract (csrc/tpp_checks.h), and the TppParams of a call, work decomposition and
+// split-KV choice included. The CUDA op (tpp_decode.cu) and its CPU emulation
+// (csrc/cuda_emu/tpp_decode_emulated.cpp) both call these, so the emulation runs the op's own
+// host logic, not a copy.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+
+#include "../tpp_checks.h"
+#include "tpp_kernels.cuh"
+
+namespace chunkattn {
+
+inline int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : 0;
+}
+
+inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
+
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The kernel's own limits on top of check_tpp_args: fp16/bf16, its head sizes, power-of-two
+// blocks, 16-byte rows for cp.async / ldmatrix, pairs for the float2 / half2 accesses.
+inline void check_tensor_core_args(const TppSizes& s, const at::Tensor& query, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache, const at::Tensor& partial_o,
+                                   const at::Tensor& out) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "tpp_decode: the CUDA TPP kernel takes fp16/bf16 query (tensor cores), got ", dtype,
+              "; use kernel='reference' for fp32");
+  TORCH_CHECK(key_cache.scalar_type() == dtype && out.scalar_type() == dtype, "tpp_decode: key_cache and out must "
+              "have the query's dtype ", dtype, " on CUDA, got ", key_cache.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK(s.head_size == 64 || s.head_size == 128 || s.head_size == 256,
+              "tpp_decode: head_size must be 64, 128 or 256 on CUDA, got ", s.head_size);
+  TORCH_CHECK(s.block_size > 0 && (s.block_size & (s.block_size - 1)) == 0,
+              "tpp_decode: block_size must be a power of two on CUDA, got ", s.block_size);
+  TORCH_CHECK(query.stride(0) % 8 == 0 && query.stride(1) % 8 == 0 && aligned16(query),
+              "tpp_decode: query strides must be multiples of 8 elements and its data 16-byte aligned on CUDA");
+  for (const at::Tensor* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(2) % 8 == 0 &&
+                    aligned16(*t),
+                "tpp_decode: key_cache and value_cache must be dense in head_size (flash layout), other strides "
+                "multiples of 8 elements, data 16-byte aligned on CUDA, got strides ", t->strides());
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
+              "tpp_decode: out strides must be even and its data 4-byte aligned on CUDA");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 8 == 0,
+              "tpp_decode: partial_o's data must be 8-byte aligned on CUDA (read as float2)");
+}
+
+// Pointers, strides and the work decomposition of one call. `sm_count` sizes the KV splits
+// (~2 CTAs per SM); only host ints are read, so a captured CUDA graph replays the result.
+inline TppParams make_tpp_params(
+    const TppSizes& s, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
+    const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
+    const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
+    const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o, const at::Tensor& partial_m,
+    const at::Tensor& partial_l, double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse,
+    int sm_count) {
+  const int64_t slots = std::min({partial_o.size(0), partial_m.size(0), partial_l.size(0)});
+  TORCH_CHECK(slots * s.num_heads < (int64_t(1) << 31), "tpp_decode: partial workspace too large for int32 indexing");
+  const int num_seqs = int(s.num_seqs), num_kv_heads = int(s.num_kv_heads), num_nodes = int(s.num_nodes);
+  const int64_t num_partials = s.num_partials, block_size = s.block_size;
+  TppParams p{};
+  p.query = query.data_ptr();
+  p.q_stride_seq = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.key = key_cache.data_ptr();
+  p.k_stride_block = key_cache.stride(0);
+  p.k_stride_tok = key_cache.stride(1);
+  p.k_stride_head = key_cache.stride(2);
+  p.value = value_cache.data_ptr();
+  p.v_stride_block = value_cache.stride(0);
+  p.v_stride_tok = value_cache.stride(1);
+  p.v_stride_head = value_cache.stride(2);
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.node_block_indptr = node_block_indptr.data_ptr<int>();
+  p.node_block_ids = node_block_ids.data_ptr<int>();
+  p.node_seq_indptr = node_seq_indptr.data_ptr<int>();
+  p.node_seq_ids = node_seq_ids.data_ptr<int>();
+  p.seq_partial_indptr = seq_partial_indptr.data_ptr<int>();
+  p.seq_partial_ids = seq_partial_ids.data_ptr<int>();
+  p.seq_num_shared_blocks = seq_num_shared_blocks.data_ptr<int>();
+  p.partial_o = partial_o.data_ptr<float>();
+  p.partial_m = partial_m.data_ptr<float>();
+  p.partial_l = partial_l.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_stride_seq = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.lse_stride_seq = lse.has_value() ? lse->stride(0) : 0;
+  p.lse_stride_head = lse.has_value() ? lse->stride(1) : 0;
+  p.num_seqs = num_seqs;
+  p.num_nodes = num_nodes;
+  p.num_partials = int(num_partials);
+  p.num_heads = int(s.num_heads);
+  p.num_kv_heads = num_kv_heads;
+  p.group = p.num_heads / num_kv_heads;
+  p.block_size_log2 = __builtin_ctz(unsigned(block_size));
+  p.scale_log2 = float(scale) * kLog2e;
+
+  // Rows of a chunk CTA: chunk_seqs sharers x chunk_heads q heads of the group (<= 64).
+  p.chunk_heads = std::min(p.group, kMaxRows);
+  p.chunk_head_tiles = ceil_div(p.group, p.chunk_heads);
+  p.chunk_seqs = kMaxRows / p.chunk_heads;
+  p.num_windows = num_nodes == 0 ? 0 : num_nodes + ceil_div(num_partials, p.chunk_seqs);
+  p.seq_heads = std::min(p.group, kSeqHeads);
+  p.seq_head_tiles = ceil_div(p.group, p.seq_heads);
+
+  // KV splits: enough CTAs for ~2 per SM, no split under ~256 (node) / 512 (tail) tokens, and
+  // only as many as the workspace's spare slots hold. The tail length is bounded by the block
+  // table's width (the only host-side bound). CHUNKATTN_{CHUNK,SEQ}_SPLITS override (tests).
+  const int target = 2 * sm_count;
+  int cs = 1, ss = 1;
+  if (num_nodes > 0) {
+    const int64_t ctas = int64_t(num_nodes + num_partials / p.chunk_seqs) * p.chunk_head_tiles * num_kv_heads;
+    const int64_t avg_tokens = node_block_ids.size(0) * block_size / num_nodes;
+    cs = int(std::max<int64_t>(1, std::min<int64_t>({ceil_div(target, ctas), 16, avg_tokens / 256})));
+  }
+  const int64_t seq_ctas = int64_t(num_seqs) * p.seq_head_tiles * num_kv_heads;
+  const int64_t max_tail = block_table.size(1) * block_size;
+  ss = int(std::max<int64_t>(  // no rows (num_seqs 0): nothing launches
+      1, std::min<int64_t>({ceil_div(target, std::max<int64_t>(1, seq_ctas)), 16, max_tail / 512})));
+  if (env_int("CHUNKATTN_CHUNK_SPLITS") > 0) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
+  if (env_int("CHUNKATTN_SEQ_SPLITS") > 0) ss = env_int("CHUNKATTN_SEQ_SPLITS");
+  while (int64_t(cs) * num_partials + int64_t(num_seqs) * (ss - 1) > slots) {
+    if (ss > 1) --ss;
+    else --cs;  // cs == 1 always fits: slots >= num_partials
+  }
+  p.chunk_splits = cs;
+  p.seq_splits = ss;
+  return p;
+}
+
+}  // namespace chunkattn

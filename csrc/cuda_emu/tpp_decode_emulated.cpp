@@ -1,0 +1,85 @@
+// torch.ops.chunkattn_simt.tpp_decode: the CUDA op (csrc/cuda/tpp_decode.cu) run on CPU tensors
+// through the SIMT emulation, for tests on machines without a GPU. Same argument checks, same
+// TppParams and split choice (tpp_host.h), same launch shapes and the same kernel source
+// (tpp_kernels.cuh); only the GPU is stood in for (simt_emu.h). Extra arguments: the SM count
+// the split heuristic sizes for, the emulation's seed and its cp.async landing mode.
+// Test-only: built by vllm_chunkattn.ops.jit_build.load_simt_emulation, never by setup.py.
+#define CHUNKATTN_SIMT_EMULATION
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "../cuda/tpp_host.h"
+
+namespace chunkattn {
+namespace {
+
+simt::GlobalRange bytes_of(const at::Tensor& t) {
+  int64_t last = 0;  // offset of the last element reachable through the strides
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {t.data_ptr(), t.numel() == 0 ? 0 : (last + 1) * int64_t(t.element_size())};
+}
+
+template <typename T, int D>
+void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, const simt::LaunchOptions& o) {
+  const TppLaunchShape shape = tpp_launch_shape<D>(p);
+  if (shape.partial_grid_x > 0)
+    simt::launch(shape.partial_grid_x, p.num_kv_heads, kThreads, shape.partial_smem,
+                 [&p] { tpp_partial_kernel<T, D>(p); }, globals, o);
+  if (shape.final_grid_x > 0)
+    simt::launch(shape.final_grid_x, p.num_kv_heads, kThreads, shape.final_smem, [&p] { tpp_final_kernel<T, D>(p); },
+                 globals, o);
+}
+
+void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const at::Tensor& node_block_indptr, const at::Tensor& node_block_ids,
+                         const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
+                         const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
+                         const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o,
+                         const at::Tensor& partial_m, const at::Tensor& partial_l, double scale,
+                         const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t sm_count,
+                         int64_t seed, bool cp_async_lands_at_issue) {
+  const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
+                                    node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
+                                    seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
+                                    out, lse);
+  check_tensor_core_args(s, query, key_cache, value_cache, partial_o, out);
+  const TppParams p = make_tpp_params(s, query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
+                                      node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
+                                      seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
+                                      scale, out, lse, int(sm_count));
+  if (p.num_seqs == 0) return;
+  std::vector<simt::GlobalRange> globals;
+  for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_table, &seq_lens, &node_block_indptr,
+                              &node_block_ids, &node_seq_indptr, &node_seq_ids, &seq_partial_indptr,
+                              &seq_partial_ids, &seq_num_shared_blocks, &partial_o, &partial_m, &partial_l, &out}) {
+    TORCH_CHECK(t->device().is_cpu(), "chunkattn_simt.tpp_decode: every tensor must be on the CPU");
+    globals.push_back(bytes_of(*t));
+  }
+  if (lse.has_value()) globals.push_back(bytes_of(*lse));
+  simt::LaunchOptions o;
+  o.seed = unsigned(seed);
+  o.cp_async_lands_at_issue = cp_async_lands_at_issue;
+  const bool half = query.scalar_type() == at::kHalf;
+  switch (s.head_size) {
+    case 64: half ? emulate<__half, 64>(p, globals, o) : emulate<__nv_bfloat16, 64>(p, globals, o); break;
+    case 128: half ? emulate<__half, 128>(p, globals, o) : emulate<__nv_bfloat16, 128>(p, globals, o); break;
+    default: half ? emulate<__half, 256>(p, globals, o) : emulate<__nv_bfloat16, 256>(p, globals, o); break;
+  }
+}
+
+}  // namespace
+}  // namespace chunkattn
+
+TORCH_LIBRARY(chunkattn_simt, m) {
+  m.def(
+      "tpp_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor node_block_indptr, Tensor node_block_ids, "
+      "Tensor node_seq_indptr, Tensor node_seq_ids, Tensor seq_partial_indptr, "
+      "Tensor seq_partial_ids, Tensor seq_num_shared_blocks, Tensor(a!) partial_o, "
+      "Tensor(b!) partial_m, Tensor(c!) partial_l, float scale, Tensor(d!) out, "
+      "Tensor(e!)? lse, int sm_count, int seed, bool cp_async_lands_at_issue) -> ()");
+}
+TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) { m.impl("tpp_decode", &chunkattn::tpp_decode_emulated); }

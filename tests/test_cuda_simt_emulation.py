@@ -1,0 +1,199 @@
+"""The CUDA TPP kernel's own source (csrc/cuda/tpp_kernels.cuh) and the CUDA op's host logic
+(csrc/cuda/tpp_host.h: checks, TppParams, the split-KV choice) run on the CPU through the SIMT
+emulation in csrc/cuda_emu, against tpp_decode_reference. Runs without a GPU.
+
+The emulation computes ldmatrix / mma.sync fragments from the PTX ISA's layouts, lands cp.async
+data only at the wait that covers it (or, `at_issue`, at once), lets warps drift apart, starts
+shared memory as NaN and checks every ldmatrix / cp.async address: a wrong fragment layout, a
+missing wait or __syncthreads, or an out-of-bounds access fails here. Not a timing or hardware
+test: tests/test_ops_cuda.py runs the same cases on a GPU."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
+from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
+from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
+from vllm_chunkattn.testing import (TREE_SPECS, assert_matches_reference, caterpillar_batch,
+                                    pad_batch, random_tree_batch)
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+H100_SMS = 132
+HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
+# Nodes and tails of up to 24 and 20 blocks: 2-6 smem stages per CTA, so the cp.async double
+# buffer turns over (the TREE_SPECS trees fit one stage).
+LONG = dict(fanouts=[2, 3], max_node_blocks=24, max_private_blocks=20)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    from vllm_chunkattn.ops.jit_build import load_simt_emulation
+    load_simt_emulation(CSRC)
+    return torch.ops.chunkattn_simt
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """Force KV splits (the host code reads CHUNKATTN_{CHUNK,SEQ}_SPLITS on every call)."""
+    def set_(chunk: int, seq: int):
+        monkeypatch.setenv("CHUNKATTN_CHUNK_SPLITS", str(chunk))
+        monkeypatch.setenv("CHUNKATTN_SEQ_SPLITS", str(seq))
+    return set_
+
+
+def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, sm_count=H100_SMS):
+    num_seqs, num_heads, head_size = b.query.shape
+    slots = max(plan.num_partials + spare_slots, 1)
+    ws = (torch.full((slots, num_heads, head_size), float("nan")),
+          torch.full((slots, num_heads), float("nan")), torch.full((slots, num_heads), float("nan")))
+    out = torch.full_like(b.query, float("nan"))
+    lse = torch.full((num_seqs, num_heads), float("nan"))
+    emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                   plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
+                   plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
+                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse, sm_count, seed, at_issue)
+    return out, lse
+
+
+def batch(spec, seed=0, **kw):
+    return random_tree_batch(seed, **{**(LONG if spec == "long" else TREE_SPECS[spec]), **kw})
+
+
+def plan_of(b):
+    return build_plan(b.block_table, b.seq_lens, b.block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", sorted(TREE_SPECS))
+def test_tree_specs(emu, spec, dtype):
+    b = batch(spec, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=dtype)
+    plan = plan_of(b)
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+
+
+@pytest.mark.parametrize("at_issue", [False, True])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_runs_turn_the_pipeline_over(emu, dtype, head_size, at_issue):
+    b = batch("long", seed=1, num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
+              dtype=dtype)
+    plan = plan_of(b)
+    assert max(b.seq_lens.tolist()) > 4 * 64          # several smem stages of 64 (32) tokens
+    assert_matches_reference(b, plan, *run(emu, b, plan, at_issue=at_issue))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("heads", HEADS)
+def test_shapes(emu, heads, head_size, dtype):
+    # GQA groups 1, 3, 4, 8: chunk CTAs of 64, 63, 64 and 64 rows, sequence CTAs of 1-16 heads.
+    b = batch("system_prompts", seed=2, num_heads=heads[0], num_kv_heads=heads[1],
+              head_size=head_size, block_size=64, dtype=dtype)
+    plan = plan_of(b)
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+
+
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
+def test_every_advertised_block_size(emu, block_size):
+    b = batch("system_prompts", seed=3, num_heads=16, num_kv_heads=4, head_size=128,
+              block_size=block_size, dtype=torch.bfloat16)
+    plan = plan_of(b)
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+
+
+@pytest.mark.parametrize("forced", [(2, 1), (1, 3), (3, 4), (16, 16)])
+@pytest.mark.parametrize("spec", ["single_prefix", "deep_tree", "long"])
+def test_forced_splits(emu, splits, spec, forced):
+    b = batch(spec, seed=4, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+              dtype=torch.float16)
+    plan = plan_of(b)
+    splits(*forced)
+    spare = (forced[0] - 1) * plan.num_partials + b.query.shape[0] * (forced[1] - 1)
+    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
+
+
+@pytest.mark.parametrize("spare_slots", [4096, 0])
+def test_default_split_heuristic(emu, spare_slots):
+    # One long prefix, few rows: on an H100's 132 SMs the host code splits the prefix and the
+    # tails across CTAs when the workspace has spare slots, and not at all without them.
+    b = random_tree_batch(5, fanouts=[1, 4], max_node_blocks=40, max_private_blocks=40,
+                          num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                          dtype=torch.bfloat16)
+    plan = plan_of(b)
+    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare_slots))
+
+
+def test_empty_plan(emu):
+    b = batch("system_prompts", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    plan = empty_plan(b.query.shape[0])
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+
+
+def test_batch_order_invariance(emu):
+    b = batch("deep_tree", seed=6, num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16)
+    out, lse = run(emu, b, plan_of(b))
+    perm = torch.randperm(b.query.shape[0], generator=torch.Generator().manual_seed(0))
+    b.query, b.block_table, b.seq_lens = b.query[perm], b.block_table[perm], b.seq_lens[perm]
+    out_p, lse_p = run(emu, b, plan_of(b))
+    torch.testing.assert_close(out_p, out[perm], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(lse_p, lse[perm], atol=1e-4, rtol=1e-4)
+
+
+def test_same_bits_whatever_the_schedule(emu, splits):
+    # CTA order, thread order, warp drift and when cp.async data lands change nothing: every
+    # value has one writer and one order of arithmetic (no race, no order dependence).
+    b = batch("long", seed=7, num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    plan = plan_of(b)
+    splits(3, 2)
+    spare = 2 * plan.num_partials + b.query.shape[0]
+    first = run(emu, b, plan, spare_slots=spare)
+    for seed, at_issue in [(1, False), (2, True), (3, True)]:
+        out, lse = run(emu, b, plan, spare_slots=spare, seed=seed, at_issue=at_issue)
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+
+
+def test_capacity_mode_padding(emu):
+    # What a captured FULL decode graph replays: rows padded with seq_len 0, the plan padded to
+    # the batch's capacities (empty nodes, unused partial ids), a too-deep tree pruned to fit.
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16)
+    rows, width = 12, 12
+    cap = PlanCapacity.for_batch(rows, width)
+    for b in [random_tree_batch(8, max_seqs=10, fanouts=[3, 4], max_node_blocks=3,
+                                max_private_blocks=2, **kw), caterpillar_batch(11, **kw)]:
+        n = b.query.shape[0]
+        exact = plan_of(b)
+        pad_batch(b, rows, width)
+        plan = pad_plan(build_plan(b.block_table, b.seq_lens, b.block_size,
+                                   max_partials=cap.num_partials,
+                                   max_node_blocks=cap.num_node_blocks), cap)
+        out, lse = run(emu, b, plan)
+        real = TppPlan(n, exact.num_nodes, exact.num_partials, *[
+            getattr(exact, f) for f in ("node_block_indptr", "node_block_ids", "node_seq_indptr",
+                                        "node_seq_ids", "seq_partial_indptr", "seq_partial_ids",
+                                        "seq_num_shared_blocks")])
+        b.query, b.block_table, b.seq_lens = b.query[:n], b.block_table[:n], b.seq_lens[:n]
+        assert_matches_reference(b, real, out[:n], lse[:n])
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+        assert torch.isneginf(lse[n:]).all()
+
+
+def test_refuses_what_the_kernel_cannot_take(emu):
+    b = batch("batch_1", dtype=torch.float32, head_size=64)
+    with pytest.raises(RuntimeError, match="fp16/bf16"):
+        run(emu, b, plan_of(b))
+    b = batch("batch_1", dtype=torch.float16, head_size=96)
+    with pytest.raises(RuntimeError, match="head_size must be 64, 128 or 256"):
+        run(emu, b, plan_of(b))
+
+
+def test_an_out_of_range_block_id_is_an_error_not_a_read(emu):
+    # The CUDA op reads no plan data (PlanCache checks it on the host, per step); past that check
+    # a bad id would read another tensor's memory on a GPU. The emulation checks every address.
+    b = batch("no_sharing", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    plan = plan_of(b)
+    b.block_table[0, 0] = b.key_cache.shape[0] + 1000
+    with pytest.raises(RuntimeError, match="outside every tensor of the call"):
+        run(emu, b, plan)
