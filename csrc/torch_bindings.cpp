@@ -3,17 +3,13 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "tpp_schema.h"
+
 TORCH_LIBRARY(chunkattn, m) {
   // TPP decode over a paged KV cache (see vllm_chunkattn/plan.py for the plan tensors).
   // partial_o/m/l: fp32 workspace [>= num_partials, num_heads(, head_size)], overwritten.
   // out: [num_seqs, num_heads, head_size] written in place; lse: optional natural-log LSE.
-  m.def(
-      "tpp_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-      "Tensor seq_lens, Tensor node_block_indptr, Tensor node_block_ids, "
-      "Tensor node_seq_indptr, Tensor node_seq_ids, Tensor seq_partial_indptr, "
-      "Tensor seq_partial_ids, Tensor seq_num_shared_blocks, Tensor(a!) partial_o, "
-      "Tensor(b!) partial_m, Tensor(c!) partial_l, float scale, Tensor(d!) out, "
-      "Tensor(e!)? lse) -> ()");
+  m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ") -> ()");
   // The plan checks of tpp_decode on host tensors (csrc/tpp_checks.h), once per step, for a plan
   // about to be copied to a device whose op checks only shapes.
   m.def(

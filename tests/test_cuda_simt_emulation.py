@@ -18,7 +18,7 @@ from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import (TREE_SPECS, assert_matches_reference, caterpillar_batch,
-                                    pad_batch, random_tree_batch)
+                                    pad_batch, random_tree_batch, split_spare_slots)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 H100_SMS = 132
@@ -33,15 +33,6 @@ def emu():
     from vllm_chunkattn.ops.jit_build import load_simt_emulation
     load_simt_emulation(CSRC)
     return torch.ops.chunkattn_simt
-
-
-@pytest.fixture
-def splits(monkeypatch):
-    """Force KV splits (the host code reads CHUNKATTN_{CHUNK,SEQ}_SPLITS on every call)."""
-    def set_(chunk: int, seq: int):
-        monkeypatch.setenv("CHUNKATTN_CHUNK_SPLITS", str(chunk))
-        monkeypatch.setenv("CHUNKATTN_SEQ_SPLITS", str(seq))
-    return set_
 
 
 def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, sm_count=H100_SMS):
@@ -111,7 +102,7 @@ def test_forced_splits(emu, splits, spec, forced):
               dtype=torch.float16)
     plan = plan_of(b)
     splits(*forced)
-    spare = (forced[0] - 1) * plan.num_partials + b.query.shape[0] * (forced[1] - 1)
+    spare = split_spare_slots(plan, b.query.shape[0], *forced)
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
 
 
@@ -148,7 +139,7 @@ def test_same_bits_whatever_the_schedule(emu, splits):
     b = batch("long", seed=7, num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
     plan = plan_of(b)
     splits(3, 2)
-    spare = 2 * plan.num_partials + b.query.shape[0]
+    spare = split_spare_slots(plan, b.query.shape[0], 3, 2)
     first = run(emu, b, plan, spare_slots=spare)
     for seed, at_issue in [(1, False), (2, True), (3, True)]:
         out, lse = run(emu, b, plan, spare_slots=spare, seed=seed, at_issue=at_issue)

@@ -10,7 +10,7 @@ from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.testing import (TC_TOL, TREE_SPECS, assert_matches_reference, caterpillar_batch, pad_batch,
-                                    random_tree_batch)
+                                    random_tree_batch, split_spare_slots)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,15 +24,6 @@ def ops():
     o = native_ops(torch.device("cuda"))
     assert o is not None, "the CUDA kernel did not build / register"
     return o
-
-
-@pytest.fixture
-def splits(monkeypatch):
-    """Force KV splits (the op reads CHUNKATTN_{CHUNK,SEQ}_SPLITS on every call)."""
-    def set_(chunk: int, seq: int):
-        monkeypatch.setenv("CHUNKATTN_CHUNK_SPLITS", str(chunk))
-        monkeypatch.setenv("CHUNKATTN_SEQ_SPLITS", str(seq))
-    return set_
 
 
 def make_batch(spec, seed=0, **kw):
@@ -93,9 +84,7 @@ def test_forced_splits(ops, splits, spec, forced):
                    dtype=torch.float16, max_node_blocks=6, max_private_blocks=6)
     plan = plan_of(b)
     splits(*forced)
-    num_seqs = b.query.shape[0]
-    spare = (forced[0] - 1) * plan.num_partials + num_seqs * (forced[1] - 1)
-    check(b, plan, *run(ops, b, plan, spare_slots=spare))
+    check(b, plan, *run(ops, b, plan, spare_slots=split_spare_slots(plan, b.query.shape[0], *forced)))
 
 
 def test_long_nodes_default_heuristic(ops):

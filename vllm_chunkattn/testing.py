@@ -146,3 +146,9 @@ def assert_matches_reference(b: TreeBatch, plan, out: torch.Tensor, lse: torch.T
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out, ref, **TC_TOL[b.query.dtype])
     torch.testing.assert_close(lse, ref_lse, **TC_LSE_TOL[b.query.dtype])
+
+
+def split_spare_slots(plan, num_seqs: int, chunk_splits: int, seq_splits: int) -> int:
+    """Workspace rows beyond plan.num_partials that the CUDA op needs to run with these KV splits
+    (csrc/cuda/tpp_host.h: S_c * P + num_seqs * (S_s - 1) rows in all)."""
+    return (chunk_splits - 1) * plan.num_partials + num_seqs * (seq_splits - 1)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../cuda/tpp_host.h"
+#include "../tpp_schema.h"
 
 namespace chunkattn {
 namespace {
@@ -74,12 +75,6 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
 }  // namespace chunkattn
 
 TORCH_LIBRARY(chunkattn_simt, m) {
-  m.def(
-      "tpp_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-      "Tensor seq_lens, Tensor node_block_indptr, Tensor node_block_ids, "
-      "Tensor node_seq_indptr, Tensor node_seq_ids, Tensor seq_partial_indptr, "
-      "Tensor seq_partial_ids, Tensor seq_num_shared_blocks, Tensor(a!) partial_o, "
-      "Tensor(b!) partial_m, Tensor(c!) partial_l, float scale, Tensor(d!) out, "
-      "Tensor(e!)? lse, int sm_count, int seed, bool cp_async_lands_at_issue) -> ()");
+  m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ", int sm_count, int seed, bool cp_async_lands_at_issue) -> ()");
 }
 TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) { m.impl("tpp_decode", &chunkattn::tpp_decode_emulated); }

@@ -1,0 +1,11 @@
+// The arguments of chunkattn::tpp_decode's schema (csrc/torch_bindings.cpp), also those of the
+// CUDA op's CPU emulation (csrc/cuda_emu), which appends its own: one list, so the two stay alike.
+#pragma once
+
+#define CHUNKATTN_TPP_DECODE_ARGS                                                       \
+  "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "           \
+  "Tensor seq_lens, Tensor node_block_indptr, Tensor node_block_ids, "                 \
+  "Tensor node_seq_indptr, Tensor node_seq_ids, Tensor seq_partial_indptr, "           \
+  "Tensor seq_partial_ids, Tensor seq_num_shared_blocks, Tensor(a!) partial_o, "       \
+  "Tensor(b!) partial_m, Tensor(c!) partial_l, float scale, Tensor(d!) out, "          \
+  "Tensor(e!)? lse"
