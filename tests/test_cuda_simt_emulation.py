@@ -9,6 +9,7 @@ missing wait or __syncthreads, or an out-of-bounds access fails here. Not a timi
 test: tests/test_ops_cuda.py runs the same cases on a GPU."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,15 +18,14 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.testing import (TREE_SPECS, assert_matches_reference, caterpillar_batch,
-                                    pad_batch, random_tree_batch, split_spare_slots)
+from vllm_chunkattn.testing import (LONG_TREE, TREE_SPECS, assert_matches_reference,
+                                    caterpillar_batch, pad_batch, random_tree_batch,
+                                    split_spare_slots)
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+# benchmarks/gpu/kernel_mutations.py points this at a mutated copy of csrc/.
+CSRC = Path(os.environ.get("CHUNKATTN_SIMT_CSRC") or Path(__file__).resolve().parents[1] / "csrc")
 H100_SMS = 132
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
-# Nodes and tails of up to 24 and 20 blocks: 2-6 smem stages per CTA, so the cp.async double
-# buffer turns over (the TREE_SPECS trees fit one stage).
-LONG = dict(fanouts=[2, 3], max_node_blocks=24, max_private_blocks=20)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, sm_count=H100_SMS):
 
 
 def batch(spec, seed=0, **kw):
-    return random_tree_batch(seed, **{**(LONG if spec == "long" else TREE_SPECS[spec]), **kw})
+    return random_tree_batch(seed, **{**(LONG_TREE if spec == "long" else TREE_SPECS[spec]), **kw})
 
 
 def plan_of(b):

@@ -9,8 +9,9 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.testing import (TC_TOL, TREE_SPECS, assert_matches_reference, caterpillar_batch, pad_batch,
-                                    random_tree_batch, split_spare_slots)
+from vllm_chunkattn.testing import (LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
+                                    caterpillar_batch, pad_batch, random_tree_batch,
+                                    split_spare_slots)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,6 +78,18 @@ def test_shapes(ops, spec, block_size, heads, head_size, dtype):
     check(b, plan, *run(ops, b, plan))
 
 
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_runs_turn_the_pipeline_over(ops, dtype, head_size):
+    # 2-6 smem stages per CTA: the cp.async double buffer is refilled while other warps may
+    # still read it (the SIMT emulation caught a missing barrier there only with such trees).
+    b = random_tree_batch(1, **LONG_TREE, num_heads=16, num_kv_heads=4, head_size=head_size,
+                          block_size=16, dtype=dtype, device="cuda")
+    assert int(b.seq_lens.max()) > 4 * 64
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan))
+
+
 @pytest.mark.parametrize("forced", [(2, 1), (1, 3), (3, 4), (16, 16)])
 @pytest.mark.parametrize("spec", ["single_prefix", "deep_tree", "batch_17"])
 def test_forced_splits(ops, splits, spec, forced):
@@ -84,7 +97,8 @@ def test_forced_splits(ops, splits, spec, forced):
                    dtype=torch.float16, max_node_blocks=6, max_private_blocks=6)
     plan = plan_of(b)
     splits(*forced)
-    check(b, plan, *run(ops, b, plan, spare_slots=split_spare_slots(plan, b.query.shape[0], *forced)))
+    spare = split_spare_slots(plan, b.query.shape[0], *forced)
+    check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
 def test_long_nodes_default_heuristic(ops):

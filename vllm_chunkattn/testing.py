@@ -129,6 +129,9 @@ TREE_SPECS: dict[str, dict] = {
     "batch_17": dict(fanouts=[2, 9], max_node_blocks=2, max_private_blocks=2, max_seqs=17),
     "batch_1": dict(fanouts=[1], max_node_blocks=2, max_private_blocks=1),
 }
+# Nodes and tails of up to 24 and 20 blocks of 16: 2-6 shared-memory stages per CUDA CTA, so the
+# kernel's cp.async double buffer turns over (every TREE_SPECS tree fits in one or two stages).
+LONG_TREE = dict(fanouts=[2, 3], max_node_blocks=24, max_private_blocks=20)
 
 
 # Tolerances of the tensor-core kernels (fp16/bf16 inputs, fp32 accumulation) against the fp32

@@ -1,0 +1,85 @@
+"""Does tests/test_cuda_simt_emulation.py catch a broken CUDA kernel? Each mutation below is a bug
+of a kind that kernel work makes (a fragment layout, a missing wait or barrier, a mask, the smem
+size, the work decomposition); each is applied to a copy of csrc/, and the emulation tests run
+against that copy (-x: stop at the first failure). A mutation the tests do not catch is printed
+as MISSED and the exit status is 1.
+
+    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~5 min on 2 cores
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL = "cuda/tpp_kernels.cuh"
+
+# (name, text in csrc/cuda/tpp_kernels.cuh, its replacement); each text occurs exactly once.
+MUTATIONS = [
+    ("K fragment: rows of the wrong ldmatrix matrices",
+     "((lane / 8) % 2) * 8);", "(lane / 16) * 8);"),
+    ("V read without .trans",
+     "ldmatrix_x4_trans(b, sv", "ldmatrix_x4(b, sv"),
+    ("no cp.async.wait_group before the stage is read",
+     "    cp_async_wait<1>();\n    __syncthreads();", "    __syncthreads();"),
+    ("no __syncthreads before the next prefetch overwrites a stage",
+     "    __syncthreads();  // the stage is overwritten by the next iteration's prefetch", ""),
+    ("P fragment registers swapped",
+     "pack2<T>(s[2 * ks][2], s[2 * ks][3]),\n                          pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),",
+     "pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),\n                          pack2<T>(s[2 * ks][2], s[2 * ks][3]),"),
+    ("dynamic smem 32 bytes short",
+     "max_rows * kLd * 2 + kKvBytes;", "max_rows * kLd * 2 + kKvBytes - 32;"),
+    ("no __syncthreads after the row metadata is written",
+     "    __syncthreads();\n    const int b0 = p.node_block_indptr[n];", "    const int b0 = p.node_block_indptr[n];"),
+    ("final merge skips the first tail split",
+     "for (int s = 1; s < p.seq_splits; ++s) {", "for (int s = 2; s < p.seq_splits; ++s) {"),
+    ("one row block for up to 32 rows",
+     "if (num_rows <= 16)", "if (num_rows <= 32)"),
+    ("window search ignores the node index",
+     "if (ind[mid] / p.chunk_seqs + mid <= win) lo = mid;", "if (ind[mid] / p.chunk_seqs <= win) lo = mid;"),
+    ("row max over pairs of lanes, not the quad",
+     "        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));\n", ""),
+    ("no __syncthreads before the KV parts are merged",
+     "    __syncthreads();\n    if (part == 0) {", "    if (part == 0) {"),
+    ("token mask off by one",
+     "const bool valid = tok0 + nb * 8 + (e & 1) < t_end;", "const bool valid = tok0 + nb * 8 + (e & 1) <= t_end;"),
+]
+
+
+def run_one(name: str, old: str, new: str, work: Path) -> tuple[bool, str, float]:
+    csrc = work / "csrc"
+    shutil.rmtree(csrc, ignore_errors=True)
+    shutil.copytree(ROOT / "csrc", csrc)
+    kernel = csrc / KERNEL
+    text = kernel.read_text()
+    assert text.count(old) == 1, f"{name}: the mutated text occurs {text.count(old)} times"
+    kernel.write_text(text.replace(old, new))
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         "tests/test_cuda_simt_emulation.py"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "CHUNKATTN_SIMT_CSRC": str(csrc)})
+    failed = re.search(r"^FAILED (\S+)", proc.stdout, re.M)
+    return failed is not None, failed.group(1).split("::")[-1] if failed else "", time.time() - t0
+
+
+def main() -> int:
+    missed = 0
+    print("| mutation | caught by | seconds |\n|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, old, new in MUTATIONS:
+            caught, test, secs = run_one(name, old, new, Path(tmp))
+            missed += not caught
+            print(f"| {name} | {test if caught else 'MISSED'} | {secs:.0f} |", flush=True)
+    print(f"\n{len(MUTATIONS) - missed} of {len(MUTATIONS)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
