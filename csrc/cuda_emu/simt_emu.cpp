@@ -133,10 +133,10 @@ void run_cta(std::mt19937& rng) {
       bool chosen = false;
       while (!chosen)
         for (int w = 0; w < warps; ++w) {
-          advance[w] = runnable[w] && (!g->options.shuffle || rng() % 2 == 0);
+          advance[w] = runnable[w] && rng() % 2 == 0;
           chosen = chosen || advance[w];
         }
-      if (g->options.shuffle) std::shuffle(order.begin(), order.end(), rng);
+      std::shuffle(order.begin(), order.end(), rng);
       for (int t : order)
         if (advance[t / 32] && g->fibers[t].wait == Wait::kRunnable) {
           resume(t);
@@ -271,7 +271,7 @@ void launch(int grid_x, int grid_y, int threads, int smem_bytes, const std::func
   std::mt19937 rng(options.seed);
   std::vector<int> ctas(int64_t(grid_x) * grid_y);
   for (size_t i = 0; i < ctas.size(); ++i) ctas[i] = int(i);
-  if (options.shuffle) std::shuffle(ctas.begin(), ctas.end(), rng);
+  std::shuffle(ctas.begin(), ctas.end(), rng);
   g = &launch;
   try {
     for (int c : ctas) {

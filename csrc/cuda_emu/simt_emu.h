@@ -54,8 +54,7 @@ struct GlobalRange {  // the bytes of one tensor of the call
   int64_t bytes;
 };
 struct LaunchOptions {
-  unsigned seed = 0;
-  bool shuffle = true;                   // CTAs and, each round, the threads in a random order
+  unsigned seed = 0;                     // of the random CTA order, thread order and warp drift
   bool cp_async_lands_at_issue = false;  // the other legal extreme: data in smem at once
 };
 // Runs kernel() as grid_x x grid_y CTAs of `threads` threads with `smem_bytes` of dynamic shared
