@@ -26,6 +26,7 @@ from vllm_chunkattn.testing import (LONG_TREE, TREE_SPECS, assert_matches_refere
 CSRC = Path(os.environ.get("CHUNKATTN_SIMT_CSRC") or Path(__file__).resolve().parents[1] / "csrc")
 H100_SMS = 132
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
+WIDE_GROUPS = [(48, 1), (80, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,16 @@ def test_shapes(emu, heads, head_size, dtype):
     # GQA groups 1, 3, 4, 8: chunk CTAs of 64, 63, 64 and 64 rows, sequence CTAs of 1-16 heads.
     b = batch("system_prompts", seed=2, num_heads=heads[0], num_kv_heads=heads[1],
               head_size=head_size, block_size=64, dtype=dtype)
+    plan = plan_of(b)
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+
+
+@pytest.mark.parametrize("heads", WIDE_GROUPS)
+def test_wide_groups(emu, heads):
+    # MQA-like groups past one CTA's rows: sequence CTAs tile the group (48 and 80 heads: 3 and
+    # 5 tiles of 16), chunk CTAs hold one sharer (48) or tile the group too (80: 2 tiles of 64).
+    b = batch("system_prompts", seed=8, num_heads=heads[0], num_kv_heads=heads[1], head_size=128,
+              block_size=16, dtype=torch.bfloat16)
     plan = plan_of(b)
     assert_matches_reference(b, plan, *run(emu, b, plan))
 

@@ -78,6 +78,15 @@ def test_shapes(ops, spec, block_size, heads, head_size, dtype):
     check(b, plan, *run(ops, b, plan))
 
 
+@pytest.mark.parametrize("heads", [(48, 1), (80, 1)])
+def test_wide_groups(ops, heads):
+    # Groups past one CTA's rows: several head tiles per sequence (and per chunk at 80).
+    b = make_batch("system_prompts", seed=8, num_heads=heads[0], num_kv_heads=heads[1],
+                   head_size=128, block_size=16, dtype=torch.bfloat16)
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan))
+
+
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_long_runs_turn_the_pipeline_over(ops, dtype, head_size):
