@@ -3,10 +3,10 @@ manifest is self-consistent, the keep/carry decision follows the image's version
 here reassemble through the device installer's own code (collect, marker, unpack)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "benchmarks" / "gpu"
 sys.path.insert(0, str(GPU))
 import bundle  # noqa: E402
+import recompress  # noqa: E402
 
 INSTALLER = GPU / "install_bundle.sh"
 
@@ -74,38 +75,71 @@ def _installer(env: dict, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHON": sys.executable, **env})
 
 
+def _wheel(path: Path, rng, files: int = 3) -> Path:
+    """A small installable wheel (random payload, so it does not compress away)."""
+    name, version = path.name.split("-")[:2]
+    info = f"{name}-{version}.dist-info"
+    members = {f"{name}/__init__.py": f"VALUE = {rng.randrange(1 << 30)}\n".encode(),
+               **{f"{name}/blob{i}.bin": rng.randbytes(rng.randrange(1000, 6000))
+                  for i in range(files)},
+               f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+               f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for arc, data in members.items():
+            z.writestr(zipfile.ZipInfo(arc, (2024, 1, 2, 3, 4, 6)), data)
+        z.writestr(f"{info}/RECORD", "".join(f"{a},,\n" for a in [*members, f"{info}/RECORD"]))
+    return path
+
+
+def _members(whl: Path) -> list[tuple]:
+    with zipfile.ZipFile(whl) as z:
+        return [(i.filename, i.date_time, i.external_attr, z.read(i)) for i in z.infolist()]
+
+
 @pytest.mark.parametrize("part_bytes", [4096, 7000])
 def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_bytes):
+    """bundle._pack's parts, carried one per call, unpack through the installer's own code:
+    big wheels re-compressed and back, and the nccl group optional (the shim stands in)."""
     bundle_dir = tmp_path / "bundle"
-    bundle_dir.mkdir()
     monkeypatch.setattr(bundle, "BUNDLE", bundle_dir)
     monkeypatch.setattr(bundle, "PART_BYTES", part_bytes)
+    monkeypatch.setattr(bundle, "XZ_MIN", 8000)
     rng = __import__("random").Random(part_bytes)
-    groups, tars, lines, offset = {"core": 3, "nccl": 1}, [], [], 0
-    for group, n in groups.items():
-        files = []
-        for i in range(n):
-            whl = tmp_path / f"{group}_{i}-1.0-py3-none-any.whl"
-            whl.write_bytes(rng.randbytes(rng.randrange(1000, 9000)))
-            files.append((f"wheels/{whl.name}", whl))
-        sums = tmp_path / f"{group}.sums"
-        sums.write_text("".join(f"{bundle._sha256(p)}  {a}\n" for a, p in sorted(files)))
-        tar = tmp_path / f"{group}.tar"
-        bundle._tar(files + [(f"SHA256SUMS.{group}", sums)], tar)
-        lines.append(f"group {group} {offset} {tar.stat().st_size} {bundle._sha256(tar)}")
-        offset += tar.stat().st_size
-        tars.append(tar)
-    rows = bundle._split(tars)
-    lines += [f"part {f} {n} {b} {s}" for f, n, b, s in rows]
+    groups = {"core": [_wheel(tmp_path / f"core{i}-1.0-py3-none-any.whl", rng, files=1 + 2 * i)
+                       for i in range(3)],
+              "nccl": [_wheel(tmp_path / "nccl0-1.0-py3-none-any.whl", rng, files=4)]}
+    big = {w.name for w in groups["core"] if w.stat().st_size >= bundle.XZ_MIN}
+    assert "core2-1.0-py3-none-any.whl" in big and "core0-1.0-py3-none-any.whl" not in big
+    assert groups["nccl"][0].stat().st_size >= bundle.XZ_MIN       # big, but travels as shipped
+    bundle_dir.mkdir()
+    wheel_lines, layout = bundle._pack({g: [("wheels", w) for w in ws] for g, ws in groups.items()})
+    assert [ln.split()[-1] for ln in wheel_lines] == [w.name for ws in groups.values() for w in ws]
     manifest = tmp_path / "manifest.txt"
-    manifest.write_text("# test\n" + "\n".join(lines) + "\n")
-    assert b"".join((bundle_dir / f / n).read_bytes() for f, n, _, _ in rows) == \
-        b"".join(t.read_bytes() for t in tars)
+    manifest.write_text("# test\n" + "\n".join(layout) + "\n")
+    rows = [ln.split()[1:] for ln in layout if ln.startswith("part ")]
+    core_len = int(next(ln.split()[3] for ln in layout if ln.startswith("group core")))
+    core_parts = (core_len + part_bytes - 1) // part_bytes
+    assert len(rows) > core_parts                       # the nccl group needs calls of its own
 
     carried = tmp_path / "carried"          # what one device call holds: a single cNN folder
     env = {"VLLM_MANIFEST": str(manifest), "VLLM_BUNDLE_DIR": str(carried),
            "VLLM_PARTS": str(tmp_path / "parts"), "VLLM_WHEELS": str(tmp_path / "wheels"),
            "VLLM_MARKER": str(tmp_path / "marker")}
+    unpacked = tmp_path / "wheels" / "wheels"
+
+    def check_unpacked(names):
+        assert sorted(p.name for p in unpacked.iterdir()) == sorted(names)
+        for ws in groups.values():
+            for w in ws:
+                if w.name not in names:
+                    continue
+                got = unpacked / w.name
+                if w.name in big:           # stored, not deflated: same members, same order
+                    assert _members(got) == _members(w)
+                    assert {i.compress_type for i in zipfile.ZipFile(got).infolist()} == {0}
+                else:
+                    assert got.read_bytes() == w.read_bytes()
+
     for i, (folder, name, _, _) in enumerate(rows):
         (carried / folder).mkdir(parents=True)
         (carried / folder / name).write_bytes((bundle_dir / folder / name).read_bytes())
@@ -117,6 +151,13 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
             for p in f.iterdir():
                 p.unlink()
             f.rmdir()
+        if i + 1 == core_parts:                 # core complete, nccl not: the shim's case
+            assert "group core: complete" in out.stdout
+            assert "group nccl: missing" in out.stdout and "nccl_compat.c" in out.stdout
+            out = _installer(env, "unpack")
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "nccl group not carried" in out.stdout
+            check_unpacked([w.name for w in groups["core"]])
     assert "group core: complete" in out.stdout and "group nccl: complete" in out.stdout
     folder, name = rows[0][:2]                              # an earlier call's folder left over
     (carried / folder).mkdir(parents=True)
@@ -126,11 +167,7 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
 
     out = _installer(env, "unpack")
     assert out.returncode == 0, out.stdout + out.stderr
-    for group, n in groups.items():
-        for i in range(n):
-            name = f"{group}_{i}-1.0-py3-none-any.whl"
-            got = hashlib.sha256((tmp_path / "wheels" / "wheels" / name).read_bytes()).digest()
-            assert got == hashlib.sha256((tmp_path / name).read_bytes()).digest()
+    check_unpacked([w.name for ws in groups.values() for w in ws])
 
     first = tmp_path / "parts" / rows[0][1]                    # one flipped byte is refused
     data = bytearray(first.read_bytes())
@@ -138,6 +175,98 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
     first.write_bytes(data)
     out = _installer(env, "unpack")
     assert out.returncode != 0 and "BAD checksum" in out.stdout
+
+
+def test_rebuild_from_manifest_checks_wheels_and_rewrites_only_the_packing(tmp_path, monkeypatch,
+                                                                          capsys):
+    """--from-manifest: the manifest's wheels (checksums checked) packed again; parts packed
+    differently (another liblzma) rewrite only the group / part lines, which the device reads."""
+    bundle_dir = tmp_path / "bundle"
+    wheels = bundle_dir / "wheels"
+    wheels.mkdir(parents=True)
+    monkeypatch.setattr(bundle, "BUNDLE", bundle_dir)
+    monkeypatch.setattr(bundle, "PART_BYTES", 5000)
+    monkeypatch.setattr(bundle, "XZ_MIN", 8000)
+    monkeypatch.setattr(bundle, "_download", lambda pins, dest: None)    # already here
+    rng = __import__("random").Random(3)
+    members = [("core", _wheel(wheels / "aaa-1.0-py3-none-any.whl", rng, 5)),
+               ("core", _wheel(wheels / "bbb-2.0-py3-none-any.whl", rng, 1)),
+               ("nccl", _wheel(wheels / "ccc-3.0-py3-none-any.whl", rng, 2))]
+    lines, layout = bundle._pack({"core": [("wheels", w) for g, w in members if g == "core"],
+                                  "nccl": [("wheels", w) for g, w in members if g == "nccl"]})
+    manifest = tmp_path / "manifest.txt"
+    monkeypatch.setattr(bundle, "MANIFEST", manifest)
+    monkeypatch.setattr(bundle, "REPO", tmp_path)
+    stale = [ln.replace(ln.split()[-1], "0" * 64) for ln in layout]      # packed elsewhere
+    manifest.write_text("\n".join(["# head", "closure aaa 1.0", *lines, *stale]) + "\n")
+    bundle._rebuild()
+    assert "rewritten" in capsys.readouterr().out
+    text = manifest.read_text().splitlines()
+    assert text[:2 + len(lines)] == ["# head", "closure aaa 1.0", *lines]
+    assert [ln for ln in text if ln.startswith(("group ", "part "))] == layout
+    bundle._rebuild()                                   # the same bytes again: nothing to rewrite
+    assert "all match the manifest" in capsys.readouterr().out
+
+    _wheel(wheels / "bbb-2.0-py3-none-any.whl", rng, 1)     # not the registry's wheel any more
+    with pytest.raises(SystemExit, match="bbb-2.0-py3-none-any.whl: checksum differs"):
+        bundle._rebuild()
+
+
+def test_recompressed_wheel_is_deterministic_and_installs(tmp_path, monkeypatch):
+    """Several xz streams back to back inflate to the stored wheel, the same bytes every build
+    (the manifest's checksums), and pip installs that wheel as it would the original."""
+    monkeypatch.setattr(recompress, "BLOCK", 4096)
+    whl = _wheel(tmp_path / "demo_pkg-1.0-py3-none-any.whl", __import__("random").Random(1), 6)
+    first = recompress.recompressed(whl, tmp_path / "a")
+    again = recompress.recompressed(whl, tmp_path / "b")
+    assert first.read_bytes() == again.read_bytes()
+    assert first.read_bytes().count(b"\xfd7zXZ\x00") > 3         # one stream per 4 KiB block
+    assert first.stat().st_size < whl.stat().st_size * 1.2
+    dest = tmp_path / "device"
+    dest.mkdir()
+    (dest / first.name).write_bytes(first.read_bytes())
+    out = subprocess.run([sys.executable, str(GPU / "recompress.py"), "inflate", str(dest)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and f"inflated {whl.name}" in out.stdout, out.stderr
+    stored = dest / whl.name
+    assert not (dest / first.name).exists() and _members(stored) == _members(whl)
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                          "--target", str(site), str(stored)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    value = subprocess.run([sys.executable, "-c", "import demo_pkg; print(demo_pkg.VALUE)"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    assert value.stdout.strip() == _members(whl)[0][3].decode().split("= ")[1].strip()
+
+    damaged = bytearray(first.read_bytes())          # xz's CRC catches a flipped byte
+    damaged[len(damaged) // 2] ^= 0x40
+    (dest / first.name).write_bytes(damaged)
+    out = subprocess.run([sys.executable, str(GPU / "recompress.py"), "inflate", str(dest)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+
+
+def test_nccl_compat_defines_the_missing_symbols_and_fails_loudly(tmp_path):
+    """The shim exports exactly the 8 NCCL 2.29 names that torch 2.13's libtorch_cuda.so needs and
+    NCCL 2.28.9 lacks (nm -D of both wheels, bundle.py's SHARED_LIBS note); a call returns
+    ncclInvalidUsage and names itself on stderr; `env` preloads it only when installed."""
+    so = tmp_path / "site" / "nccl_compat.so"
+    so.parent.mkdir()
+    env = {"VLLM_SITE": str(so.parent)}
+    assert "LD_PRELOAD" not in _installer(env, "env").stdout
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(so), str(GPU / "nccl_compat.c")],
+                   check=True)
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True)
+    exported = {ln.split()[-1] for ln in nm.stdout.splitlines() if " T " in ln}
+    assert exported == {"ncclCommSuspend", "ncclCommResume", "ncclCommMemStats", "ncclSignal",
+                        "ncclWaitSignal", "ncclPutSignal", "ncclGetPeerDevicePointer",
+                        "ncclGetLsaMultimemDevicePointer"}
+    call = subprocess.run([sys.executable, "-c", f"import ctypes; "
+                           f"print(ctypes.CDLL({str(so)!r}).ncclCommResume(None))"],
+                          capture_output=True, text=True)
+    assert call.stdout.strip() == "5"                        # ncclInvalidUsage
+    assert "ncclCommResume is not in this NCCL" in call.stderr
+    assert f"export LD_PRELOAD={so}" in _installer(env, "env").stdout
 
 
 def test_installer_script_parses():

@@ -22,6 +22,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from recompress import recompressed   # this folder is sys.path[0]
+
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -36,6 +38,8 @@ BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part
 MANIFEST = HERE / "bundle_manifest.txt"
 PART_BYTES = 60 << 20
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
+XZ_MIN = 16 << 20              # wheels this big travel as xz (torch, vllm, triton: 21 -> 16 parts)
+GROUPS_AS_SHIPPED = {"nccl"}
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 DEVICE_ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
@@ -87,7 +91,8 @@ OPTIONAL_MODULES = ["flashinfer", "cutlass", "cudnn", "humming", "cuda.tile", "c
 # Not imported but dlopen'ed: torch 2.13's libtorch_cuda.so needs 8 symbols that NCCL 2.28.9 (the
 # image's, by torch 2.11's pin) lacks: ncclCommSuspend/Resume/MemStats, ncclSignal/WaitSignal/
 # PutSignal, ncclGet{Peer,LsaMultimem}DevicePointer (checked with nm -D against both wheels).
-# Its own group, sent last: skip those calls when the device already has NCCL >= 2.29.
+# nccl_compat.c defines them (single-GPU serving calls none), so this group, sent last, travels
+# only if the device's NCCL check fails with that shim (install_bundle.sh).
 SHARED_LIBS = {"nvidia-nccl-cu13": "2.29.7"}
 
 
@@ -242,6 +247,14 @@ def _split(tars: list[Path]) -> list[tuple[str, str, int, str]]:
     return rows
 
 
+def _travelling(group: str, whl: Path) -> Path:
+    """What travels for a wheel: big ones re-compressed (recompress.py), unless their group is
+    a shared library's (NCCL's .so shrinks 6 %: not worth the minutes here)."""
+    if whl.stat().st_size < XZ_MIN or group in GROUPS_AS_SHIPPED:
+        return whl
+    return recompressed(whl, BUNDLE / "xz")
+
+
 def _pack(groups: dict[str, list[tuple[str, Path]]]) -> tuple[list[str], list[str]]:
     """{group: [(wheels|reserve, wheel path)]} -> tars back to back -> parts in BUNDLE/cNN.
     Returns the manifest's `wheel` lines and its `group` + `part` lines."""
@@ -251,9 +264,10 @@ def _pack(groups: dict[str, list[tuple[str, Path]]]) -> tuple[list[str], list[st
         old.rmdir()
     lines, group_lines, tars, offset = [], [], [], 0
     for group, members in groups.items():
-        files = [(f"{sub}/{whl.name}", whl) for sub, whl in members]
         lines += [f"wheel {group} {sub} {whl.stat().st_size} {_sha256(whl)} {whl.name}"
                   for sub, whl in members]
+        files = [(f"{sub}/{travelling.name}", travelling) for sub, whl in members
+                 for travelling in [_travelling(group, whl)]]
         sums_file = BUNDLE / f"{group}.SHA256SUMS"
         sums_file.write_text("".join(f"{_sha256(p)}  {a}\n" for a, p in sorted(files)))
         tar = BUNDLE / f"{group}.tar"
@@ -302,10 +316,20 @@ def _rebuild() -> None:
             sys.exit(f"{fname}: checksum differs from the manifest's")
         groups.setdefault(group, []).append((sub, wheels / fname))
     _, layout = _pack(groups)
-    want = [ln for ln in MANIFEST.read_text().splitlines() if ln.startswith(("group ", "part "))]
-    if layout != want:
-        sys.exit("rebuilt parts differ from the manifest's (tar layout changed?)")
-    print(f"rebuilt {sum(ln.startswith('part ') for ln in layout)} parts; all match the manifest")
+    text = MANIFEST.read_text().splitlines()
+    want = [ln for ln in text if ln.startswith(("group ", "part "))]
+    n_parts = sum(ln.startswith("part ") for ln in layout)
+    if layout == want:
+        print(f"rebuilt {n_parts} parts; all match the manifest")
+        return
+    # The wheels are the registry's (checked above); only their packing differs, e.g. another
+    # liblzma here. The device checks parts against the manifest in the tree that travels with
+    # each call, so the new lines are what it must read: write them, and say so.
+    keep = [ln for ln in text if not ln.startswith(("group ", "part "))]
+    MANIFEST.write_text("\n".join(keep + layout) + "\n")
+    print(f"rebuilt {n_parts} parts from the manifest's wheels, but packed differently from the "
+          f"committed parts: {MANIFEST.relative_to(REPO)} rewritten with the new group/part lines "
+          f"(the device reads it from the tree; commit it)")
 
 
 def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> None:
@@ -328,7 +352,10 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
             first, last = int(off) // PART_BYTES + 1, (int(off) + int(n) - 1) // PART_BYTES + 1
             sizes = by_group[g]
             out.append(f"# group {g}: {len(sizes)} wheels, {sum(sizes) / 2**20:.1f} MiB of wheels, "
-                       f"tar {int(n) / 2**20:.1f} MiB in parts {first}-{last}")
+                       f"tar {int(n) / 2**20:.1f} MiB in parts {first}-{last}"
+                       + (" (wheels as shipped; sent only if the NCCL check fails, see"
+                          " SHARED_LIBS)" if g in GROUPS_AS_SHIPPED else
+                          f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py)"))
     n_parts = sum(ln.startswith("part ") for ln in part_lines)
     out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: .bundle/c01 .. c{n_parts:02d}, "
                "one carried per device call")
@@ -355,12 +382,19 @@ def _fname(size: dict, name: str, version: str) -> str:
 
 
 def status(args) -> None:
-    parts = [ln.split() for ln in MANIFEST.read_text().splitlines() if ln.startswith("part ")]
+    lines = MANIFEST.read_text().splitlines()
+    parts = [ln.split() for ln in lines if ln.startswith("part ")]
+    optional = [(int(g[2]), int(g[2]) + int(g[3])) for g in map(str.split, lines)
+                if g[:1] == ["group"] and g[1] in GROUPS_AS_SHIPPED]
+    start = 0
     for _, folder, name, nbytes, sha in parts:
         p = BUNDLE / folder / name
         ok = p.exists() and p.stat().st_size == int(nbytes) and (args.quick or _sha256(p) == sha)
+        only = any(lo <= start and start + int(nbytes) <= hi for lo, hi in optional)
+        start += int(nbytes)
         print(f"call {folder[1:]}: carry .bundle/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
-              f"  {'ok' if ok else 'MISSING/BAD'}")
+              f"  {'ok' if ok else 'MISSING/BAD'}"
+              f"{'  (only if the NCCL check fails: SHARED_LIBS)' if only else ''}")
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
                            capture_output=True, text=True).stdout.split("\0")
     tree = sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())

@@ -20,6 +20,7 @@ SITE=${VLLM_SITE:-/tmp/vllm_site}          # pip --target: goes first on PYTHONP
 MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}
 PY=${PYTHON:-python3}                      # the image's python (torch 2.11, nvidia-* wheels)
 NCCL_MIN=2.29                              # torch 2.13 needs symbols NCCL 2.28 lacks (bundle.py)
+COMPAT=$SITE/nccl_compat.so                # ... which nccl_compat.c defines, when it is preloaded
 
 log() { echo "[install_bundle $(date +%T)] $*"; }
 part_lines() { awk '$1 == "part" {print $3, $4, $5}' "$MANIFEST"; }    # name bytes sha, in order
@@ -44,6 +45,9 @@ image_version() {   # the image's own version of a distribution, "" if absent
   env -u PYTHONPATH "$PY" -c "import importlib.metadata as m, sys
 try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: print('')" "$1"
+}
+group_complete() {
+  local name; while read -r name _; do [ -f "$PARTS/$name" ] || return 1; done < <(parts_of "$1")
 }
 nccl_needed() {     # true unless the image's NCCL is already >= NCCL_MIN
   local v; v=$(image_version nvidia-nccl-cu13)
@@ -85,7 +89,8 @@ collect() {   # copy the part(s) carried in this call to $PARTS and verify them 
   while read -r g; do
     missing=$(parts_of "$g" | while read -r name _; do
       [ -f "$PARTS/$name" ] || echo -n "$name "; done)
-    log "group $g: ${missing:+missing }${missing:-complete}"
+    log "group $g: ${missing:+missing }${missing:-complete}${missing:+$( [ "$g" = nccl ] &&
+      echo "(carried only if install's NCCL check fails with nccl_compat.c)")}"
   done < <(awk '$1 == "group" {print $2}' "$MANIFEST")
 }
 
@@ -124,9 +129,23 @@ PY
 }
 
 unpack() {
+  local t0=$SECONDS
   rm -rf "$WHEELS"
   assemble core
-  if nccl_needed; then assemble nccl; else log "image NCCL >= $NCCL_MIN: nccl group skipped"; fi
+  if ! nccl_needed; then log "image NCCL >= $NCCL_MIN: nccl group not needed"
+  elif group_complete nccl; then assemble nccl
+  else log "nccl group not carried: the image's NCCL $(image_version nvidia-nccl-cu13)" \
+           "with nccl_compat.c preloaded"; fi
+  "$PY" benchmarks/gpu/recompress.py inflate "$WHEELS"     # big wheels travel as xz
+  log "unpacked in $((SECONDS - t0)) s"
+}
+
+nccl_compat() {     # the shim, unless NCCL 2.29 came in the nccl group (carried: a real folder)
+  rm -f "$COMPAT"
+  if nccl_needed && [ -L "$SITE/nvidia/nccl" ]; then
+    gcc -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/nccl_compat.c
+    log "built $COMPAT: preloaded by 'env' (torch 2.13 over the image's NCCL)"
+  fi
 }
 
 install() {
@@ -143,6 +162,7 @@ install() {
     --target "$SITE" "${wheels[@]}"
   log "pip --target $SITE: ${#wheels[@]} wheels in $((SECONDS - t0)) s"
   link_cuda_libs "$img"
+  nccl_compat
   register_plugin
   check
 }
@@ -176,6 +196,7 @@ export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1   # cuDNN 9.19 (image) under tor
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export CHUNKATTN_BUILD_DIR=\${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=\${MAX_JOBS:-16}
 EOF
+  if [ -f "$COMPAT" ]; then echo "export LD_PRELOAD=$COMPAT\${LD_PRELOAD:+:\$LD_PRELOAD}"; fi
 }
 
 check() {
@@ -188,10 +209,32 @@ import torch
 print("torch", torch.__version__, torch.__file__, "CUDA", torch.version.cuda)
 cuda = torch.cuda.is_available()
 print("torch.cuda.is_available():", cuda, torch.cuda.get_device_name() if cuda else "")
+import ctypes
+runtime = ctypes.c_int()        # torch.cuda.nccl.version() is the version torch was built with
+try:                            # the libnccl.so.2 torch loaded (found by its soname)
+    ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(runtime))
+except OSError as e:
+    print("NCCL: not loaded -", e)
+print("NCCL loaded:", runtime.value, "| LD_PRELOAD:", os.environ.get("LD_PRELOAD", "-"))
 if cuda:
-    print("cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version())
+    print("cudnn", torch.backends.cudnn.version(), "| torch built with NCCL",
+          torch.cuda.nccl.version())
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     print("matmul ok:", bool(torch.isfinite(x @ x).all()))
+    import tempfile, torch.distributed as dist
+    try:                        # a real NCCL communicator of torch 2.13 over the loaded NCCL
+        dist.init_process_group("nccl", init_method="file://" + tempfile.mktemp(), rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
+        t = torch.full((1024,), 2.0, device="cuda")
+        dist.all_reduce(t)
+        good = bool((t == 2.0).all())
+        dist.destroy_process_group()
+        print("NCCL all_reduce (1 rank):", "ok" if good else "WRONG SUM")
+        ok &= good
+    except Exception as e:  # noqa: BLE001
+        print("NCCL all_reduce (1 rank) FAILED -", repr(e)[-800:],
+              "\n  -> carry the nccl group's remaining parts (collect), then install again")
+        ok = False
 import triton, vllm
 print("triton", triton.__version__, "| vllm", vllm.__version__, vllm.__file__)
 for ext in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"):
