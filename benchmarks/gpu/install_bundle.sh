@@ -143,8 +143,10 @@ unpack() {
 nccl_compat() {     # the shim, unless NCCL 2.29 came in the nccl group (carried: a real folder)
   rm -f "$COMPAT"
   if nccl_needed && [ -L "$SITE/nvidia/nccl" ]; then
-    gcc -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/nccl_compat.c
-    log "built $COMPAT: preloaded by 'env' (torch 2.13 over the image's NCCL)"
+    local cc; cc=$(command -v gcc || command -v cc || command -v c++ || true)
+    if [ -z "$cc" ]; then log "no C compiler for nccl_compat.c: carry the nccl group"; return 0; fi
+    "$cc" -x c -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/nccl_compat.c
+    log "built $COMPAT with $cc: preloaded by 'env' (torch 2.13 over the image's NCCL)"
   fi
 }
 
