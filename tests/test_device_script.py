@@ -4,7 +4,10 @@ verdict, which the device script reports as UNSUPPORTED instead of a failed kern
 tool found stays 99 and a crash keeps its own status."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,7 +65,8 @@ def test_device_script_sanitizer_stages(tmp_path, case, want_rc, want_status):
     fake_py.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STAGES": "sanitizer",
            "PYTHON": str(fake_py), "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit")}
+           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(tmp_path / "none"),
+           "WARM_STATE": str(tmp_path / "warm")}
     r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     summary = (tmp_path / "out" / "summary.md").read_text()
@@ -71,3 +75,53 @@ def test_device_script_sanitizer_stages(tmp_path, case, want_rc, want_status):
         line = next(x for x in summary.splitlines() if x.startswith(f"sanitizer-{tool}"))
         assert want_status in line, summary
     assert "build" in summary and "FAILED" not in summary.split("sanitizer-")[0]
+
+
+def test_flashinfer_warm_outlives_its_call_and_the_bench_call_waits_for_it(tmp_path):
+    """STAGES=flashinfer-warm starts FlashInfer's JIT build detached and returns while it runs;
+    the later STAGES=bench call neither reinstalls the wheels under it nor times anything before
+    it ends (a stand-in python whose warm-up blocks until released)."""
+    record, release = tmp_path / "record", tmp_path / "release"
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f"""#!/bin/sh
+case "$*" in
+  *"--warm "*) echo "warm-start $4" >> {record}
+               while [ ! -f {release} ]; do sleep 0.1; done
+               echo "warm-end $4" >> {record} ;;
+  *"pip install"*) echo pip >> {record} ;;
+  *"bench kernel"*) echo bench >> {record} ;;
+esac
+exit 0
+""")
+    fake_py.chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "flashinfer_python-0.6.14-py3-none-any.whl").write_bytes(b"stand-in")
+    site = tmp_path / "site"
+    site.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake_py),
+           "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(wheels),
+           "FI_SITE": str(site), "WARM_STATE": str(tmp_path / "warm"), "BUDGET_S": "120"}
+
+    first = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                           env={**env, "STAGES": "flashinfer-warm"}, timeout=120)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert first.returncode == 0, summary
+    assert "flashinfer-warm        started detached" in summary
+    pid = int((tmp_path / "warm.pid").read_text())
+    os.kill(pid, 0)                                      # still building after its call returned
+    assert "warm-end" not in record.read_text()
+
+    threading.Timer(1.5, release.touch).start()
+    second = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True,
+                            text=True, env={**env, "STAGES": "bench"}, timeout=120)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert second.returncode == 0, summary
+    assert re.search(r"flashinfer-wait +ok", summary) and re.search(r"flashinfer-jit +ok", summary)
+    assert "flashinfer             ok (installed by an earlier call)" in summary
+    lines = record.read_text().split()
+    assert lines.count("pip") == 1                       # installed by the first call only
+    detached_ends = max(i for i, x in enumerate(lines) if x == "warm-end")
+    assert lines.index("bench") > detached_ends
+    assert lines[:lines.index("bench")].count("warm-start") == 4     # detached, then cached
