@@ -58,6 +58,10 @@ sys.exit(0 if V(sys.argv[1]) < V(sys.argv[2]) else 1)" "$v" "$NCCL_MIN"
 
 facts() {
   "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
+  "$PY" -c 'import lzma' 2>/dev/null && echo "python lzma: ok (inflates the xz wheels)" \
+    || echo "python lzma: MISSING: the xz wheels cannot be inflated (bundle.py XZ_MIN)"
+  local cc; cc=$(command -v gcc || command -v cc || command -v c++) && echo "C compiler: $cc" \
+    || echo "C compiler: none: no nccl_compat shim, the nccl group must travel"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local names='torch|triton|torchvision|torchaudio|transformers|huggingface.hub|tokenizers|numpy'
   names+='|nvidia-|cuda-|aiohttp|requests|pillow|protobuf|setuptools|typing.extensions|opencv'
