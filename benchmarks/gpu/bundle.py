@@ -1,5 +1,6 @@
 """Bundle builder: the wheels the lent GPU lacks for `vllm serve` + `vllm bench serve` with
-vllm 0.32.0 (CUDA), split into <= 60 MiB parts that travel one per device call (README.md).
+vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 60 MiB parts that
+travel one per device call (README.md).
 
     .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
     .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
@@ -22,8 +23,6 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from recompress import recompressed   # this folder is sys.path[0]
-
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -31,6 +30,7 @@ from packaging.utils import canonicalize_name as canon
 from packaging.version import Version
 
 from import_probe import live_run     # this folder is sys.path[0]
+from recompress import recompressed
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
