@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compile-checks every csrc/cuda/*.cu with this machine's nvcc for sm_80 and sm_90a (no GPU and
-# no CUDA torch needed: torch's headers come from whatever torch is installed; a CPU wheel lacks
-# c10/cuda/impl/cuda_cmake_macros.h, so a stub stands in). Exits non-zero on any error.
+# Compile-checks every csrc/cuda/*.cu (and the test-only csrc/ptx_probe/*.cu) with this machine's
+# nvcc for sm_80 and sm_90a (no GPU and no CUDA torch needed: torch's headers come from whatever
+# torch is installed; a CPU wheel lacks c10/cuda/impl/cuda_cmake_macros.h, so a stub stands in).
+# Exits non-zero on any error.
 # Usage: .ci/compile_cuda.sh [python]   (default: python3; jobs: $JOBS or nproc)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ flags=(-std=c++17 -O3 --expt-relaxed-constexpr -DTORCH_EXTENSION_NAME=_C -Icsrc 
 echo "compile_cuda: $(nvcc --version | tail -1)"
 jobs=${JOBS:-$(nproc)}
 pids=()
-for f in csrc/cuda/*.cu; do
+for f in csrc/cuda/*.cu csrc/ptx_probe/*.cu; do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 0.5; done
   name=$(basename "$f" .cu)
   ( t0=$(date +%s)

@@ -134,7 +134,8 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
 
 def load_simt_emulation(csrc_dir, verbose: bool = False) -> None:
     """Builds (or reuses) and loads csrc/cuda_emu: torch.ops.chunkattn_simt.tpp_decode runs the
-    CUDA kernel's own source (csrc/cuda/tpp_kernels.cuh) on CPU tensors through a SIMT emulation.
+    CUDA kernel's own source (csrc/cuda/tpp_kernels.cuh) on CPU tensors through a SIMT emulation,
+    and .ptx_probe the warp-instruction probe (csrc/ptx_probe).
     For tests on machines without a GPU; needs a C++ compiler only (no nvcc, no CUDA torch)."""
     from torch.utils import cpp_extension
 
@@ -143,8 +144,31 @@ def load_simt_emulation(csrc_dir, verbose: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="vllm_chunkattn_simt",
-        sources=[str(csrc_dir / "cuda_emu" / f) for f in ("simt_emu.cpp", "tpp_decode_emulated.cpp")],
+        sources=[str(csrc_dir / "cuda_emu" / f)
+                 for f in ("simt_emu.cpp", "tpp_decode_emulated.cpp", "ptx_probe_emulated.cpp")],
         extra_cflags=["-O2", "-Wno-unknown-pragmas"],
+        extra_include_paths=[str(csrc_dir)],
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+def load_ptx_probe(csrc_dir, verbose: bool = False) -> None:
+    """Builds (or reuses) and loads csrc/ptx_probe for the local GPU: torch.ops.chunkattn_probe.
+    ptx_probe runs ldmatrix / mma.sync once on known operands (tests/test_ptx_probe.py compares it
+    with the SIMT emulation). Test-only; needs nvcc and a CUDA torch."""
+    from torch.utils import cpp_extension
+
+    fix_cuda_home(cpp_extension)
+    csrc_dir = Path(csrc_dir)
+    archs = arch_list()
+    out = build_dir(csrc_dir, "ptx-probe " + ";".join(archs))
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="vllm_chunkattn_ptx_probe",
+        sources=[str(csrc_dir / "ptx_probe" / "ptx_probe_cuda.cu")],
+        extra_cuda_cflags=["-O3", *gencode_flags(archs)],
         extra_include_paths=[str(csrc_dir)],
         build_directory=str(out),
         is_python_module=False,
