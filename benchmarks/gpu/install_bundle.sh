@@ -49,6 +49,7 @@ except m.PackageNotFoundError: print('')" "$1"
 group_complete() {
   local name; while read -r name _; do [ -f "$PARTS/$name" ] || return 1; done < <(parts_of "$1")
 }
+c_compiler() { command -v gcc || command -v cc || command -v c++; }   # for nccl_compat.c
 nccl_needed() {     # true unless the image's NCCL is already >= NCCL_MIN
   local v; v=$(image_version nvidia-nccl-cu13)
   [ -z "$v" ] && return 0
@@ -60,7 +61,7 @@ facts() {
   "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
   "$PY" -c 'import lzma' 2>/dev/null && echo "python lzma: ok (inflates the xz wheels)" \
     || echo "python lzma: MISSING: the xz wheels cannot be inflated (bundle.py XZ_MIN)"
-  local cc; cc=$(command -v gcc || command -v cc || command -v c++) && echo "C compiler: $cc" \
+  local cc; cc=$(c_compiler) && echo "C compiler: $cc" \
     || echo "C compiler: none: no nccl_compat shim, the nccl group must travel"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local names='torch|triton|torchvision|torchaudio|transformers|huggingface.hub|tokenizers|numpy'
@@ -147,7 +148,7 @@ unpack() {
 nccl_compat() {     # the shim, unless NCCL 2.29 came in the nccl group (carried: a real folder)
   rm -f "$COMPAT"
   if nccl_needed && [ -L "$SITE/nvidia/nccl" ]; then
-    local cc; cc=$(command -v gcc || command -v cc || command -v c++ || true)
+    local cc; cc=$(c_compiler || true)
     if [ -z "$cc" ]; then log "no C compiler for nccl_compat.c: carry the nccl group"; return 0; fi
     "$cc" -x c -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/nccl_compat.c
     log "built $COMPAT with $cc: preloaded by 'env' (torch 2.13 over the image's NCCL)"

@@ -23,20 +23,26 @@ namespace chunkattn {
 
 constexpr int kProbeSmemBytes = (16 * 16 + 8 * 16) * 2;
 
-// One warp. a: the 16 x 16 mma A operand, bt: B transposed (n 8 x k 16), both row-major 16-bit
-// patterns. Outputs, [32 lanes, 4]: ld, the registers ldmatrix.x4 gives when lanes 8j..8j+7
-// address the rows of A's 8 x 8 block j (rows 8(j%2).., columns 8(j/2)..: the A fragment order);
-// ldt, the same with .trans; mma, C + A B with A from ld, B from ldmatrix.x4 of bt (blocks:
-// columns 0-7, 8-15, twice) and C = 4 lane + register.
+struct PtxProbeArgs {
+  const uint16_t* a;   // the 16 x 16 mma A operand, row-major 16-bit patterns
+  const uint16_t* bt;  // B transposed (n 8 x k 16), row-major
+  uint32_t* ld;        // [32 lanes, 4] outputs, below
+  uint32_t* ldt;
+  float* mma;
+};
+
+// One warp. Outputs per lane: ld, the registers ldmatrix.x4 gives when lanes 8j..8j+7 address
+// the rows of A's 8 x 8 block j (rows 8(j%2).., columns 8(j/2)..: the A fragment order); ldt, the
+// same with .trans; mma, C + A B with A from ld, B from ldmatrix.x4 of bt (blocks: columns 0-7,
+// 8-15, twice) and C = 4 lane + register.
 template <typename T>
-__global__ void ptx_probe_kernel(const uint16_t* a, const uint16_t* bt, uint32_t* ld, uint32_t* ldt,
-                                 float* mma) {
+__global__ void ptx_probe_kernel(PtxProbeArgs p) {
   extern __shared__ __align__(16) char smem_raw[];
   uint16_t* sa = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sb = sa + 16 * 16;
   const int lane = threadIdx.x;
-  for (int i = lane; i < 16 * 16; i += 32) sa[i] = a[i];
-  for (int i = lane; i < 8 * 16; i += 32) sb[i] = bt[i];
+  for (int i = lane; i < 16 * 16; i += 32) sa[i] = p.a[i];
+  for (int i = lane; i < 8 * 16; i += 32) sb[i] = p.bt[i];
   __syncthreads();
   const int j = lane / 8, r = lane % 8;
   const uint16_t* a_row = sa + (8 * (j % 2) + r) * 16 + 8 * (j / 2);
@@ -48,15 +54,22 @@ __global__ void ptx_probe_kernel(const uint16_t* a, const uint16_t* bt, uint32_t
   for (int i = 0; i < 4; ++i) c[i] = float(4 * lane + i);
   mma_16816<T>(c, fa, fb[0], fb[1]);
   for (int i = 0; i < 4; ++i) {
-    ld[4 * lane + i] = fa[i];
-    ldt[4 * lane + i] = ft[i];
-    mma[4 * lane + i] = c[i];
+    p.ld[4 * lane + i] = fa[i];
+    p.ldt[4 * lane + i] = ft[i];
+    p.mma[4 * lane + i] = c[i];
   }
 }
 
-// Argument checks and the outputs (ld, ldt: int32 bit patterns; mma: fp32), on a's device.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> ptx_probe_outputs(const at::Tensor& a,
-                                                                        const at::Tensor& bt) {
+// A call of the probe, for both ops: the operands checked, the outputs (ld, ldt: int32 bit
+// patterns; mma: fp32) made on a's device, and the kernel's pointers to them all.
+struct PtxProbeCall {
+  at::Tensor ld, ldt, mma;
+  PtxProbeArgs args;
+  bool half;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs() const { return {ld, ldt, mma}; }
+};
+
+inline PtxProbeCall ptx_probe_call(const at::Tensor& a, const at::Tensor& bt) {
   TORCH_CHECK(a.dim() == 2 && a.size(0) == 16 && a.size(1) == 16 && bt.dim() == 2 && bt.size(0) == 8 &&
                   bt.size(1) == 16,
               "ptx_probe: a must be 16 x 16 and bt 8 x 16");
@@ -66,7 +79,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> ptx_probe_outputs(const at
   TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.device() == bt.device(),
               "ptx_probe: a and bt must be contiguous, on one device");
   const auto i32 = a.options().dtype(at::kInt);
-  return {at::empty({32, 4}, i32), at::empty({32, 4}, i32), at::empty({32, 4}, a.options().dtype(at::kFloat))};
+  PtxProbeCall c{at::empty({32, 4}, i32), at::empty({32, 4}, i32),
+                 at::empty({32, 4}, a.options().dtype(at::kFloat)), {}, a.scalar_type() == at::kHalf};
+  c.args = {static_cast<const uint16_t*>(a.data_ptr()), static_cast<const uint16_t*>(bt.data_ptr()),
+            static_cast<uint32_t*>(c.ld.data_ptr()), static_cast<uint32_t*>(c.ldt.data_ptr()),
+            c.mma.data_ptr<float>()};
+  return c;
 }
 
 }  // namespace chunkattn

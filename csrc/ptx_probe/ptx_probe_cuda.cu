@@ -10,20 +10,15 @@ namespace chunkattn {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ptx_probe_cuda(const at::Tensor& a, const at::Tensor& bt) {
-  auto [ld, ldt, mma] = ptx_probe_outputs(a, bt);
+  const PtxProbeCall c = ptx_probe_call(a, bt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.get_device()).stream();
-  const auto* pa = static_cast<const uint16_t*>(a.data_ptr());
-  const auto* pb = static_cast<const uint16_t*>(bt.data_ptr());
-  auto* pld = static_cast<uint32_t*>(ld.data_ptr());
-  auto* pldt = static_cast<uint32_t*>(ldt.data_ptr());
-  auto* pmma = mma.data_ptr<float>();
-  if (a.scalar_type() == at::kHalf)
-    ptx_probe_kernel<__half><<<1, 32, kProbeSmemBytes, stream>>>(pa, pb, pld, pldt, pmma);
+  if (c.half)
+    ptx_probe_kernel<__half><<<1, 32, kProbeSmemBytes, stream>>>(c.args);
   else
-    ptx_probe_kernel<__nv_bfloat16><<<1, 32, kProbeSmemBytes, stream>>>(pa, pb, pld, pldt, pmma);
+    ptx_probe_kernel<__nv_bfloat16><<<1, 32, kProbeSmemBytes, stream>>>(c.args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {ld, ldt, mma};
+  return c.outputs();
 }
 
 }  // namespace

@@ -112,24 +112,26 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
     fix_cuda_home(cpp_extension)
     csrc_dir = Path(csrc_dir)
     archs = arch_list()
-    arch = ";".join(archs)
     extra = os.environ.get("CHUNKATTN_NVCC_FLAGS", "").split()   # e.g. -Xptxas=-v (device script)
-    out = build_dir(csrc_dir, " ".join([arch, *extra]))
-    out.mkdir(parents=True, exist_ok=True)
     verbose = os.environ.get("CHUNKATTN_JIT_VERBOSE") == "1" if verbose is None else verbose
-    logger.info("chunkattn: JIT-building %s for arch %s in %s", csrc_dir, arch, out)
-    cpp_extension.load(
-        name="vllm_chunkattn_jit",
-        sources=[str(s) for s in _sources(csrc_dir)],
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo", *gencode_flags(archs),
-                           *extra],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(csrc_dir)],
-        build_directory=str(out),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    _load(csrc_dir, "vllm_chunkattn_jit", _sources(csrc_dir), " ".join([";".join(archs), *extra]),
+          verbose,
+          extra_cflags=["-O3", "-fopenmp"],
+          extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+                             *gencode_flags(archs), *extra],
+          extra_ldflags=["-fopenmp"])
+
+
+def _load(csrc_dir: Path, name: str, sources, key: str, verbose: bool, **flags) -> None:
+    """cpp_extension.load of `sources` (csrc/ on the include path) into its own build_dir."""
+    from torch.utils import cpp_extension
+
+    out = build_dir(csrc_dir, key)
+    out.mkdir(parents=True, exist_ok=True)
+    logger.info("chunkattn: JIT-building %s (%s) in %s", name, key, out)
+    cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                       extra_include_paths=[str(csrc_dir)], build_directory=str(out),
+                       is_python_module=False, verbose=verbose, **flags)
 
 
 def load_simt_emulation(csrc_dir, verbose: bool = False) -> None:
@@ -137,21 +139,11 @@ def load_simt_emulation(csrc_dir, verbose: bool = False) -> None:
     CUDA kernel's own source (csrc/cuda/tpp_kernels.cuh) on CPU tensors through a SIMT emulation,
     and .ptx_probe the warp-instruction probe (csrc/ptx_probe).
     For tests on machines without a GPU; needs a C++ compiler only (no nvcc, no CUDA torch)."""
-    from torch.utils import cpp_extension
-
     csrc_dir = Path(csrc_dir)
-    out = build_dir(csrc_dir, "simt-emulation")
-    out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="vllm_chunkattn_simt",
-        sources=[str(csrc_dir / "cuda_emu" / f)
-                 for f in ("simt_emu.cpp", "tpp_decode_emulated.cpp", "ptx_probe_emulated.cpp")],
-        extra_cflags=["-O2", "-Wno-unknown-pragmas"],
-        extra_include_paths=[str(csrc_dir)],
-        build_directory=str(out),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    _load(csrc_dir, "vllm_chunkattn_simt",
+          [csrc_dir / "cuda_emu" / f
+           for f in ("simt_emu.cpp", "tpp_decode_emulated.cpp", "ptx_probe_emulated.cpp")],
+          "simt-emulation", verbose, extra_cflags=["-O2", "-Wno-unknown-pragmas"])
 
 
 def load_ptx_probe(csrc_dir, verbose: bool = False) -> None:
@@ -163,14 +155,6 @@ def load_ptx_probe(csrc_dir, verbose: bool = False) -> None:
     fix_cuda_home(cpp_extension)
     csrc_dir = Path(csrc_dir)
     archs = arch_list()
-    out = build_dir(csrc_dir, "ptx-probe " + ";".join(archs))
-    out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="vllm_chunkattn_ptx_probe",
-        sources=[str(csrc_dir / "ptx_probe" / "ptx_probe_cuda.cu")],
-        extra_cuda_cflags=["-O3", *gencode_flags(archs)],
-        extra_include_paths=[str(csrc_dir)],
-        build_directory=str(out),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    _load(csrc_dir, "vllm_chunkattn_ptx_probe", [csrc_dir / "ptx_probe" / "ptx_probe_cuda.cu"],
+          "ptx-probe " + ";".join(archs), verbose,
+          extra_cuda_cflags=["-O3", *gencode_flags(archs)])
