@@ -155,6 +155,48 @@ def test_backend_advertises_the_cuda_kernels_block_sizes(monkeypatch):
     assert backend.ChunkAttnBackend.get_supported_kernel_block_sizes() == [16, MultipleOf(32)]
 
 
+# ---- what a GPU must have: refused at vLLM's backend selection, not at the first decode
+
+def _validate_on_gpu(monkeypatch, capability, head_size, smem_optin):
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_chunkattn.plugin import backend
+    monkeypatch.setattr(backend.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(shared_memory_per_block_optin=smem_optin))
+    # The arguments vLLM 0.32's CudaPlatform passes (its attn_selector_config), for a Llama.
+    return backend.ChunkAttnBackend.validate_configuration(
+        head_size=head_size, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=DeviceCapability(*capability),
+        attn_type="decoder")
+
+
+H100_SMEM, L4_SMEM = 232448, 101376   # cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_hopper_takes_every_head_size(monkeypatch, head_size):
+    assert _validate_on_gpu(monkeypatch, (9, 0), head_size, H100_SMEM) == []
+
+
+def test_head_256_is_refused_where_a_block_gets_99_kb(monkeypatch):
+    assert _validate_on_gpu(monkeypatch, (8, 9), 128, L4_SMEM) == []
+    reasons = _validate_on_gpu(monkeypatch, (8, 9), 256, L4_SMEM)
+    assert reasons == ["head_size 256 needs 102144 bytes of shared memory per block in the CUDA "
+                       "TPP kernel, this GPU (8.9) allows 101376"]
+
+
+def test_below_sm80_is_refused_at_selection(monkeypatch):
+    reasons = _validate_on_gpu(monkeypatch, (7, 5), 128, 65536)
+    assert len(reasons) == 1 and "compute capability >= 8.0" in reasons[0]
+    assert "7.5" in reasons[0]
+
+
 # ---- the host plan check: the CPU op's plan checks and messages, on host tensors
 
 def _replace(t: torch.Tensor, i: int, v: int) -> torch.Tensor:

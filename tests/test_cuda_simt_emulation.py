@@ -199,3 +199,11 @@ def test_an_out_of_range_block_id_is_an_error_not_a_read(emu):
     b.block_table[0, 0] = b.key_cache.shape[0] + 1000
     with pytest.raises(RuntimeError, match="outside every tensor of the call"):
         run(emu, b, plan)
+
+
+def test_the_backends_shared_memory_figure_is_the_kernels(emu):
+    # The backend refuses head 256 on 99 KB GPUs from cuda_fit's figure (a Python copy, needed
+    # before any build): it must be the shared memory the kernel's launch asks for.
+    from vllm_chunkattn.ops import cuda_fit
+    for head_size in (64, 128, 256):
+        assert cuda_fit.partial_smem_bytes(head_size) == emu.partial_smem_bytes(head_size)

@@ -43,16 +43,7 @@ int device_attribute(int device, int fallback) {
 
 int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 100); }
 
-// The partial kernel's dynamic shared memory for a head size, and what the device can give a
-// block: head 256 needs ~100 KB, over the 99 KB of sm_86/89/120 (A10, L4, RTX 30-50). 0: unknown.
-int partial_smem_bytes(int head_size) {
-  switch (head_size) {
-    case 64: return TileShape<64>::smem_bytes(kMaxRows);
-    case 128: return TileShape<128>::smem_bytes(kMaxRows);
-    default: return TileShape<256>::smem_bytes(kMaxRows);
-  }
-}
-
+// What the device can give a block (head 256 needs more than sm_86/89/120's 99 KB). 0: unknown.
 int smem_optin_bytes(int device) {
   return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 0);
 }
@@ -89,7 +80,7 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
     check_device(*t, name, query);
   if (lse.has_value()) check_device(*lse, "lse", query);
   {
-    const int need = partial_smem_bytes(s.head_size), have = smem_optin_bytes(query.get_device());
+    const int need = tpp_partial_smem_bytes(s.head_size), have = smem_optin_bytes(query.get_device());
     TORCH_CHECK(have == 0 || need <= have, "tpp_decode: head_size ", s.head_size, " needs ", need,
                 " bytes of shared memory per block; this GPU allows ", have,
                 ". Serve this model without --attention-backend CUSTOM on this GPU.");

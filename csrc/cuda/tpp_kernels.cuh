@@ -53,6 +53,15 @@ struct TileShape {
   }
 };
 
+// Dynamic shared memory of the partial kernel (the larger launch) for a head size. Head 256
+// needs 102144 bytes, over the 99 KB (101376) a block gets on sm_86/89/120 (A10, L4, RTX 30-50):
+// vllm_chunkattn/ops/cuda_fit.py refuses that pairing when vLLM selects the backend.
+constexpr int tpp_partial_smem_bytes(int head_size) {
+  return head_size == 64    ? TileShape<64>::smem_bytes(kMaxRows)
+         : head_size == 128 ? TileShape<128>::smem_bytes(kMaxRows)
+                            : TileShape<256>::smem_bytes(kMaxRows);
+}
+
 // Everything a launch reads. Strides are in elements; the last dim of every tensor is dense.
 struct TppParams {
   const void* query;
@@ -477,7 +486,7 @@ inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
   using S = TileShape<D>;
   return {p.chunk_splits * p.num_windows * p.chunk_head_tiles +
               p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles,
-          p.num_seqs * p.seq_head_tiles, S::smem_bytes(kMaxRows), S::smem_bytes(16)};
+          p.num_seqs * p.seq_head_tiles, tpp_partial_smem_bytes(D), S::smem_bytes(16)};
 }
 
 #ifndef CHUNKATTN_SIMT_EMULATION

@@ -71,10 +71,14 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   }
 }
 
+// The kernel's shared memory per head size, for the test of vllm_chunkattn/ops/cuda_fit.py's copy.
+int64_t partial_smem_bytes(int64_t head_size) { return tpp_partial_smem_bytes(int(head_size)); }
+
 }  // namespace
 }  // namespace chunkattn
 
 TORCH_LIBRARY(chunkattn_simt, m) {
   m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ", int sm_count, int seed, bool cp_async_lands_at_issue) -> ()");
+  m.def("partial_smem_bytes(int head_size) -> int", &chunkattn::partial_smem_bytes);  // no tensors: catch-all
 }
 TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) { m.impl("tpp_decode", &chunkattn::tpp_decode_emulated); }

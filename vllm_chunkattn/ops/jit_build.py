@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from .cuda_fit import MIN_CAPABILITY
+
 logger = logging.getLogger(__name__)
 
 
-MIN_ARCH = (8, 0)   # cp.async, ldmatrix and bf16 mma.sync
 
 
 def arch_list() -> list[str]:
@@ -32,7 +33,7 @@ def arch_list() -> list[str]:
         archs = [f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else "")]
     for a in archs:
         major, minor = (int(x) for x in a.rstrip("a").split("."))
-        if (major, minor) < MIN_ARCH:
+        if (major, minor) < MIN_CAPABILITY:
             raise RuntimeError(
                 f"vllm-chunkattn: the CUDA TPP kernel needs compute capability >= 8.0 (cp.async, "
                 f"ldmatrix, bf16 mma), but is asked to build for {a}"

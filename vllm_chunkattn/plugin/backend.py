@@ -25,7 +25,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from .. import __version__
 from ..kv_layout import kv_cache_views
-from ..ops import CUDA_BLOCK_SIZES, TppLaunch, TppWorkspace, kernel_name
+from ..ops import CUDA_BLOCK_SIZES, TppLaunch, TppWorkspace, cuda_fit, kernel_name
 from ..plan import PlanCache, TppPlan
 from ..plan_capacity import PlanCapacity
 from . import logger
@@ -66,6 +66,18 @@ class ChunkAttnBackend(AttentionBackend):
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return [64, 128, 256]
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                             use_sparse, use_mm_prefix, device_capability, *args,
+                             **kwargs) -> str | None:
+        # vLLM's CUDA platform asks this at backend selection, in the worker, on its device:
+        # a GPU the tensor-core kernel cannot serve is refused there, with the reason.
+        if device_capability is None or current_platform.is_cpu():
+            return None
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return cuda_fit.refusal((device_capability.major, device_capability.minor), head_size,
+                                getattr(props, "shared_memory_per_block_optin", 0))
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
