@@ -202,8 +202,9 @@ def test_an_out_of_range_block_id_is_an_error_not_a_read(emu):
 
 
 def test_the_backends_shared_memory_figure_is_the_kernels(emu):
-    # The backend refuses head 256 on 99 KB GPUs from cuda_fit's figure (a Python copy, needed
-    # before any build): it must be the shared memory the kernel's launch asks for.
+    # The backend refuses head 256 on 99 KB GPUs from cuda_fit's table (needed before any
+    # build): it must be the shared memory the kernel's launch asks for, at every head size.
     from vllm_chunkattn.ops import cuda_fit
-    for head_size in (64, 128, 256):
-        assert cuda_fit.partial_smem_bytes(head_size) == emu.partial_smem_bytes(head_size)
+    assert sorted(cuda_fit.PARTIAL_SMEM_BYTES) == [64, 128, 256]
+    for head_size, need in cuda_fit.PARTIAL_SMEM_BYTES.items():
+        assert need == emu.partial_smem_bytes(head_size)

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .cuda_fit import MIN_CAPABILITY
+from .cuda_fit import MIN_CAPABILITY, NEEDS_CAPABILITY
 
 logger = logging.getLogger(__name__)
-
-
 
 
 def arch_list() -> list[str]:
@@ -35,8 +33,8 @@ def arch_list() -> list[str]:
         major, minor = (int(x) for x in a.rstrip("a").split("."))
         if (major, minor) < MIN_CAPABILITY:
             raise RuntimeError(
-                f"vllm-chunkattn: the CUDA TPP kernel needs compute capability >= 8.0 (cp.async, "
-                f"ldmatrix, bf16 mma), but is asked to build for {a}"
+                f"vllm-chunkattn: the CUDA TPP kernel needs {NEEDS_CAPABILITY}, but is asked to "
+                f"build for {a}"
                 + (" (TORCH_CUDA_ARCH_LIST)" if env else f" ({torch.cuda.get_device_name()})")
                 + ". Use kernel='reference' (CHUNKATTN_ALLOW_REFERENCE=1 under vLLM) on this GPU.")
     return archs
