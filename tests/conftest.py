@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -14,3 +15,19 @@ def splits(monkeypatch):
         monkeypatch.setenv("CHUNKATTN_CHUNK_SPLITS", str(chunk))
         monkeypatch.setenv("CHUNKATTN_SEQ_SPLITS", str(seq))
     return set_
+
+
+# benchmarks/gpu/kernel_mutations.py points this at a mutated copy of csrc/.
+SIMT_CSRC = Path(os.environ.get("CHUNKATTN_SIMT_CSRC")
+                 or Path(__file__).resolve().parents[1] / "csrc")
+
+
+@pytest.fixture(scope="session")
+def emu():
+    """torch.ops.chunkattn_simt: the CUDA kernel's source and the CUDA op's host code built for
+    the CPU with the SIMT emulation (csrc/cuda_emu), from SIMT_CSRC."""
+    import torch
+
+    from vllm_chunkattn.ops.jit_build import load_simt_emulation
+    load_simt_emulation(SIMT_CSRC)
+    return torch.ops.chunkattn_simt

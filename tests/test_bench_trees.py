@@ -264,8 +264,15 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     for r in rows:
         assert float(r["ours_us"]) > 0 and float(r["empty_plan_us"]) > 0
         assert math.isnan(float(r["fi_cascade_us"]))
+    # The split sweep: ours at each forced chunk-first split count, at its points only.
+    swept = {r["point"]: r["split_sweep_us"] for r in rows if r["split_sweep_us"]}
+    assert list(swept) == ["b=4 P=64 S=20"]
+    timed = dict(part.split(": ") for part in swept["b=4 P=64 S=20"].split("; "))
+    assert [int(k) for k in timed] == list(kernel_gpu.SWEEP_SPLITS)
+    assert all(float(v) > 0 for v in timed.values())
     md = (tmp_path / "kernel_cpu_smoke.md").read_text()
     assert md.count("\n| b=4 P=64 S=20 |") == 1 and (tmp_path / "kernel_cpu_smoke.png").exists()
+    assert "- smoke b=4 P=64 S=20: the op's choice " in md
 
 
 def test_a_wrong_contender_is_not_timed_and_wrong_ours_fails_the_run(tmp_path, monkeypatch):

@@ -9,9 +9,6 @@ missing wait or __syncthreads, or an out-of-bounds access fails here. Not a timi
 test: tests/test_ops_cuda.py runs the same cases on a GPU."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,21 +19,12 @@ from vllm_chunkattn.testing import (LONG_TREE, TREE_SPECS, assert_matches_refere
                                     caterpillar_batch, pad_batch, random_tree_batch,
                                     split_spare_slots)
 
-# benchmarks/gpu/kernel_mutations.py points this at a mutated copy of csrc/.
-CSRC = Path(os.environ.get("CHUNKATTN_SIMT_CSRC") or Path(__file__).resolve().parents[1] / "csrc")
-H100_SMS = 132
+H100_RESIDENT_CTAS = 132 * 2   # an H100's SMs x partial-kernel CTAs per SM at head 128
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
 WIDE_GROUPS = [(48, 1), (80, 1)]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    from vllm_chunkattn.ops.jit_build import load_simt_emulation
-    load_simt_emulation(CSRC)
-    return torch.ops.chunkattn_simt
-
-
-def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, sm_count=H100_SMS):
+def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, resident_ctas=H100_RESIDENT_CTAS):
     num_seqs, num_heads, head_size = b.query.shape
     slots = max(plan.num_partials + spare_slots, 1)
     ws = (torch.full((slots, num_heads, head_size), float("nan")),
@@ -46,7 +34,7 @@ def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, sm_count=H100_SMS):
     emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
                    plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
                    plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
-                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse, sm_count, seed, at_issue)
+                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse, resident_ctas, seed, at_issue)
     return out, lse
 
 
@@ -119,7 +107,7 @@ def test_forced_splits(emu, splits, spec, forced):
 
 @pytest.mark.parametrize("spare_slots", [4096, 0])
 def test_default_split_heuristic(emu, spare_slots):
-    # One long prefix, few rows: on an H100's 132 SMs the host code splits the prefix and the
+    # One long prefix, few rows: sized for an H100 the host code splits the prefix and the
     # tails across CTAs when the workspace has spare slots, and not at all without them.
     b = random_tree_batch(5, fanouts=[1, 4], max_node_blocks=40, max_private_blocks=40,
                           num_heads=32, num_kv_heads=8, head_size=128, block_size=16,

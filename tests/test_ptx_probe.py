@@ -8,21 +8,11 @@ On a GPU: the hardware's registers equal the emulation's bit for bit, which chec
 layouts the emulation reads from the PTX ISA, and so what every emulated kernel test assumes."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import SIMT_CSRC
 
-CSRC = Path(os.environ.get("CHUNKATTN_SIMT_CSRC") or Path(__file__).resolve().parents[1] / "csrc")
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def emu():
-    from vllm_chunkattn.ops.jit_build import load_simt_emulation
-    load_simt_emulation(CSRC)
-    return torch.ops.chunkattn_simt
 
 
 def operands(dtype):
@@ -70,7 +60,7 @@ def test_probe_rejects_bad_operands(emu):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_registers_equal_the_emulation(emu, dtype):
     from vllm_chunkattn.ops.jit_build import load_ptx_probe
-    load_ptx_probe(CSRC)
+    load_ptx_probe(SIMT_CSRC)
     a, bt = operands(dtype)
     got = [t.cpu() for t in torch.ops.chunkattn_probe.ptx_probe(a.cuda(), bt.cuda())]
     want = emu.ptx_probe(a, bt, 0)

@@ -1,8 +1,8 @@
-"""Does tests/test_cuda_simt_emulation.py catch a broken CUDA kernel? Each mutation below is a bug
-of a kind that kernel work makes (a fragment layout, a missing wait or barrier, a mask, the smem
-size, the work decomposition); each is applied to a copy of csrc/, and the emulation tests run
-against that copy (-x: stop at the first failure). A mutation the tests do not catch is printed
-as MISSED and the exit status is 1.
+"""Do tests/test_cuda_host.py and tests/test_cuda_simt_emulation.py catch a broken CUDA kernel?
+Each mutation below is a bug of a kind that kernel work makes (a fragment layout, a missing wait
+or barrier, a mask, the smem size, the work decomposition and its KV splits in the host code);
+each is applied to a copy of csrc/, and those tests run against that copy (-x: stop at the first
+failure). A mutation the tests do not catch is printed as MISSED and the exit status is 1.
 
     .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~5 min on 2 cores
 """
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL = "cuda/tpp_kernels.cuh"
+KERNEL, HOST = "cuda/tpp_kernels.cuh", "cuda/tpp_host.h"
+TESTS = ["tests/test_cuda_host.py", "tests/test_cuda_simt_emulation.py"]   # host first: seconds
 
 # (name, text in csrc/cuda/tpp_kernels.cuh, its replacement); each text occurs exactly once.
 MUTATIONS = [
@@ -50,34 +51,47 @@ MUTATIONS = [
     ("token mask off by one",
      "const bool valid = tok0 + nb * 8 + (e & 1) < t_end;", "const bool valid = tok0 + nb * 8 + (e & 1) <= t_end;"),
 ]
+# The same, in csrc/cuda/tpp_host.h.
+HOST_MUTATIONS = [
+    ("window grid without a window per node",
+     "num_nodes + ceil_div(num_partials, w.chunk_seqs)", "ceil_div(num_partials, w.chunk_seqs)"),
+    ("splits not lowered to the workspace's rows",
+     "if (ss > 1) --ss;\n    else --cs;", "break;"),
+    ("the wave rule takes the most splits, not the fewest",
+     "for (int s = 1; s <= max_splits; ++s)\n    if (wave_fill", "for (int s = max_splits; s >= 1; --s)\n    if (wave_fill"),
+]
 
 
-def run_one(name: str, old: str, new: str, work: Path) -> tuple[bool, str, float]:
+def run_one(name: str, path: str, old: str, new: str, work: Path) -> tuple[bool, str, float]:
     csrc = work / "csrc"
     shutil.rmtree(csrc, ignore_errors=True)
     shutil.copytree(ROOT / "csrc", csrc)
-    kernel = csrc / KERNEL
-    text = kernel.read_text()
+    source = csrc / path
+    text = source.read_text()
     assert text.count(old) == 1, f"{name}: the mutated text occurs {text.count(old)} times"
-    kernel.write_text(text.replace(old, new))
+    source.write_text(text.replace(old, new))
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/test_cuda_simt_emulation.py"],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "CHUNKATTN_SIMT_CSRC": str(csrc)})
     failed = re.search(r"^FAILED (\S+)", proc.stdout, re.M)
-    return failed is not None, failed.group(1).split("::")[-1] if failed else "", time.time() - t0
+    # A crash (an emulated store past the workspace, say) fails the run as surely as an assert.
+    crashed = re.search(r"Fatal Python error: (\w+)", proc.stdout + proc.stderr)
+    by = (failed.group(1).split("::")[-1] if failed
+          else f"a crash ({crashed.group(1) if crashed else f'exit {proc.returncode}'})")
+    return proc.returncode != 0, by, time.time() - t0
 
 
 def main() -> int:
     missed = 0
+    every = [(KERNEL, *m) for m in MUTATIONS] + [(HOST, *m) for m in HOST_MUTATIONS]
     print("| mutation | caught by | seconds |\n|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, old, new in MUTATIONS:
-            caught, test, secs = run_one(name, old, new, Path(tmp))
+        for path, name, old, new in every:
+            caught, test, secs = run_one(name, path, old, new, Path(tmp))
             missed += not caught
             print(f"| {name} | {test if caught else 'MISSED'} | {secs:.0f} |", flush=True)
-    print(f"\n{len(MUTATIONS) - missed} of {len(MUTATIONS)} mutations caught")
+    print(f"\n{len(every) - missed} of {len(every)} mutations caught")
     return 1 if missed else 0
 
 

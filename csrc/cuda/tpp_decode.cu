@@ -3,7 +3,7 @@
 // argument limits and the split-KV choice are in tpp_host.h, shared with the CPU emulation.
 //
 // CUDA graphs. The op never synchronises with the host and allocates nothing: every grid size
-// comes from host ints (tensor shapes, the SM count, env overrides). Two modes, same code:
+// comes from host ints (tensor shapes, the device's resident CTAs, env overrides). Two modes, same code:
 //   exact:    plan tensors sized by the plan (num_nodes, num_partials from their shapes);
 //   capacity: plan tensors padded to fixed capacities for a captured batch size: extra nodes
 //             are empty (node_*_indptr repeat their last value), extra rows have seq_len 0 and
@@ -42,6 +42,29 @@ int device_attribute(int device, int fallback) {
 }
 
 int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 100); }
+
+// Partial-kernel CTAs the device runs at once (SMs x CTAs per SM), read once per device, dtype
+// and head size, with the device current. 2 CTAs per SM if the occupancy query fails, or while
+// `stream` is being captured before any eager call asked (no query inside a capture).
+int resident_ctas(int device, bool half, int head_size, cudaStream_t stream) {
+  static int cache[64][2][3] = {};
+  if (device < 0 || device >= 64) device = 0;
+  const int d = head_size == 64 ? 0 : head_size == 128 ? 1 : 2;
+  int& n = cache[device][half ? 1 : 0][d];
+  if (n == 0) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
+    if (capture != cudaStreamCaptureStatusNone) return 2 * sm_count(device);
+    int per_sm = 0;
+    switch (head_size) {
+      case 64: per_sm = half ? tpp_partial_ctas_per_sm<__half, 64>() : tpp_partial_ctas_per_sm<__nv_bfloat16, 64>(); break;
+      case 128: per_sm = half ? tpp_partial_ctas_per_sm<__half, 128>() : tpp_partial_ctas_per_sm<__nv_bfloat16, 128>(); break;
+      default: per_sm = half ? tpp_partial_ctas_per_sm<__half, 256>() : tpp_partial_ctas_per_sm<__nv_bfloat16, 256>(); break;
+    }
+    n = sm_count(device) * (per_sm > 0 ? per_sm : 2);
+  }
+  return n;
+}
 
 // What the device can give a block (head 256 needs more than sm_86/89/120's 99 KB). 0: unknown.
 int smem_optin_bytes(int device) {
@@ -85,16 +108,17 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                 " bytes of shared memory per block; this GPU allows ", have,
                 ". Serve this model without --attention-backend CUSTOM on this GPU.");
   }
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(query.get_device()).stream();
+  const bool half = query.scalar_type() == at::kHalf;
   const TppParams p = make_tpp_params(s, query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
                                       node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
                                       seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                      scale, out, lse, sm_count(query.get_device()));
+                                      scale, out, lse,
+                                      resident_ctas(query.get_device(), half, int(s.head_size), stream));
   if (p.num_seqs == 0) return;
 
-  const c10::cuda::CUDAGuard guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(query.get_device()).stream();
   cudaError_t err = cudaSuccess;
-  const bool half = query.scalar_type() == at::kHalf;
   switch (s.head_size) {
     case 64: err = half ? launch_tpp_decode<__half, 64>(p, stream) : launch_tpp_decode<__nv_bfloat16, 64>(p, stream); break;
     case 128: err = half ? launch_tpp_decode<__half, 128>(p, stream) : launch_tpp_decode<__nv_bfloat16, 128>(p, stream); break;

@@ -56,8 +56,81 @@ inline void check_tensor_core_args(const TppSizes& s, const at::Tensor& query, c
               "tpp_decode: partial_o's data must be 8-byte aligned on CUDA (read as float2)");
 }
 
-// Pointers, strides and the work decomposition of one call. `sm_count` sizes the KV splits
-// (~2 CTAs per SM); only host ints are read, so a captured CUDA graph replays the result.
+// How one call's work is cut into CTAs: the TppParams fields of that name (tpp_kernels.cuh).
+struct TppWork {
+  int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
+  int seq_heads, seq_head_tiles;
+  int chunk_splits, seq_splits;
+};
+
+// Fraction of the CTA slots a launch of `ctas` keeps busy over its waves (`resident` CTAs run at
+// once): 1.09 waves leave the last 0.09 wave nearly alone on the GPU, at about the time a full
+// wave takes, since one CTA streams its KV at a fraction of the HBM bandwidth.
+inline double wave_fill(int64_t ctas, int64_t resident) {
+  if (ctas <= 0) return 0.0;
+  const int64_t waves = (ctas + resident - 1) / resident;
+  return double(ctas) / double(waves * resident);
+}
+
+// KV splits for work of `per_split` CTAs per split beside `fixed` CTAs of the same launch: none
+// once a launch is 0.8 wave; else the fewest in [1, max_splits] that fill the waves within 85 %
+// of the best count (flash-decoding's rule: fewer splits, fewer partial states to merge).
+inline int splits_filling_waves(int64_t per_split, int64_t fixed, int max_splits, int64_t resident) {
+  if (per_split <= 0 || max_splits <= 1 || 10 * (per_split + fixed) >= 8 * resident) return 1;
+  double best = 0.0;
+  for (int s = 1; s <= max_splits; ++s) best = std::max(best, wave_fill(fixed + s * per_split, resident));
+  for (int s = 1; s <= max_splits; ++s)
+    if (wave_fill(fixed + s * per_split, resident) >= 0.85 * best) return s;
+  return 1;
+}
+
+// The work decomposition from host ints only (sizes, the workspace's slots, the CTAs the device
+// runs at once), so a captured CUDA graph replays it. `node_blocks`: node_block_ids' length;
+// `table_width`: the block table's columns (the only host-side bound of a private tail).
+inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t table_width, int64_t slots,
+                             int64_t resident_ctas) {
+  const int group = int(s.num_heads / s.num_kv_heads), num_nodes = int(s.num_nodes);
+  const int64_t num_partials = s.num_partials, num_seqs = s.num_seqs;
+  TppWork w{};
+  // Rows of a chunk CTA: chunk_seqs sharers x chunk_heads q heads of the group (<= 64).
+  w.chunk_heads = std::min(group, kMaxRows);
+  w.chunk_head_tiles = ceil_div(group, w.chunk_heads);
+  w.chunk_seqs = kMaxRows / w.chunk_heads;
+  w.num_windows = num_nodes == 0 ? 0 : num_nodes + ceil_div(num_partials, w.chunk_seqs);
+  w.seq_heads = std::min(group, kSeqHeads);
+  w.seq_head_tiles = ceil_div(group, w.seq_heads);
+
+  // KV splits: no split under ~256 (node) / 512 (tail) tokens a CTA, at most 16, sized to the
+  // waves of the device's resident CTAs (the tails first: their CTAs share the partial launch
+  // with the chunk CTAs), then lowered to what the workspace's spare slots hold.
+  // CHUNKATTN_{CHUNK,SEQ}_SPLITS override (tests, benchmarks).
+  const int64_t resident = std::max<int64_t>(1, resident_ctas);
+  const int64_t seq_ctas = num_seqs * w.seq_head_tiles * s.num_kv_heads;
+  const int max_ss = int(std::max<int64_t>(1, std::min<int64_t>(16, table_width * s.block_size / 512)));
+  int ss = splits_filling_waves(seq_ctas, 0, max_ss, resident), cs = 1;
+  if (num_nodes > 0) {
+    // Chunk CTAs a split holds: at least one window per node and one per chunk_seqs partials
+    // (exact for the usual trees; the grid's other windows exit at once).
+    const int64_t windows = std::max<int64_t>(num_nodes, ceil_div(num_partials, w.chunk_seqs));
+    const int64_t avg_tokens = node_blocks * s.block_size / num_nodes;
+    const int max_cs = int(std::max<int64_t>(1, std::min<int64_t>(16, avg_tokens / 256)));
+    cs = splits_filling_waves(windows * w.chunk_head_tiles * s.num_kv_heads, (ss - 1) * seq_ctas, max_cs,
+                              resident);
+  }
+  if (env_int("CHUNKATTN_CHUNK_SPLITS") > 0) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
+  if (env_int("CHUNKATTN_SEQ_SPLITS") > 0) ss = env_int("CHUNKATTN_SEQ_SPLITS");
+  while (int64_t(cs) * num_partials + num_seqs * (ss - 1) > slots) {
+    if (ss > 1) --ss;
+    else --cs;  // cs == 1 always fits: slots >= num_partials
+  }
+  w.chunk_splits = cs;
+  w.seq_splits = ss;
+  return w;
+}
+
+// Pointers, strides and the work decomposition of one call. `resident_ctas`: partial-kernel CTAs
+// the device runs at once (SMs x CTAs per SM); only host ints are read, so a captured CUDA graph
+// replays the result.
 inline TppParams make_tpp_params(
     const TppSizes& s, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
@@ -65,11 +138,9 @@ inline TppParams make_tpp_params(
     const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
     const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o, const at::Tensor& partial_m,
     const at::Tensor& partial_l, double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-    int sm_count) {
+    int64_t resident_ctas) {
   const int64_t slots = std::min({partial_o.size(0), partial_m.size(0), partial_l.size(0)});
   TORCH_CHECK(slots * s.num_heads < (int64_t(1) << 31), "tpp_decode: partial workspace too large for int32 indexing");
-  const int num_seqs = int(s.num_seqs), num_kv_heads = int(s.num_kv_heads), num_nodes = int(s.num_nodes);
-  const int64_t num_partials = s.num_partials, block_size = s.block_size;
   TppParams p{};
   p.query = query.data_ptr();
   p.q_stride_seq = query.stride(0);
@@ -101,45 +172,24 @@ inline TppParams make_tpp_params(
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.lse_stride_seq = lse.has_value() ? lse->stride(0) : 0;
   p.lse_stride_head = lse.has_value() ? lse->stride(1) : 0;
-  p.num_seqs = num_seqs;
-  p.num_nodes = num_nodes;
-  p.num_partials = int(num_partials);
+  p.num_seqs = int(s.num_seqs);
+  p.num_nodes = int(s.num_nodes);
+  p.num_partials = int(s.num_partials);
   p.num_heads = int(s.num_heads);
-  p.num_kv_heads = num_kv_heads;
-  p.group = p.num_heads / num_kv_heads;
-  p.block_size_log2 = __builtin_ctz(unsigned(block_size));
+  p.num_kv_heads = int(s.num_kv_heads);
+  p.group = p.num_heads / p.num_kv_heads;
+  p.block_size_log2 = __builtin_ctz(unsigned(s.block_size));
   p.scale_log2 = float(scale) * kLog2e;
 
-  // Rows of a chunk CTA: chunk_seqs sharers x chunk_heads q heads of the group (<= 64).
-  p.chunk_heads = std::min(p.group, kMaxRows);
-  p.chunk_head_tiles = ceil_div(p.group, p.chunk_heads);
-  p.chunk_seqs = kMaxRows / p.chunk_heads;
-  p.num_windows = num_nodes == 0 ? 0 : num_nodes + ceil_div(num_partials, p.chunk_seqs);
-  p.seq_heads = std::min(p.group, kSeqHeads);
-  p.seq_head_tiles = ceil_div(p.group, p.seq_heads);
-
-  // KV splits: enough CTAs for ~2 per SM, no split under ~256 (node) / 512 (tail) tokens, and
-  // only as many as the workspace's spare slots hold. The tail length is bounded by the block
-  // table's width (the only host-side bound). CHUNKATTN_{CHUNK,SEQ}_SPLITS override (tests).
-  const int target = 2 * sm_count;
-  int cs = 1, ss = 1;
-  if (num_nodes > 0) {
-    const int64_t ctas = int64_t(num_nodes + num_partials / p.chunk_seqs) * p.chunk_head_tiles * num_kv_heads;
-    const int64_t avg_tokens = node_block_ids.size(0) * block_size / num_nodes;
-    cs = int(std::max<int64_t>(1, std::min<int64_t>({ceil_div(target, ctas), 16, avg_tokens / 256})));
-  }
-  const int64_t seq_ctas = int64_t(num_seqs) * p.seq_head_tiles * num_kv_heads;
-  const int64_t max_tail = block_table.size(1) * block_size;
-  ss = int(std::max<int64_t>(  // no rows (num_seqs 0): nothing launches
-      1, std::min<int64_t>({ceil_div(target, std::max<int64_t>(1, seq_ctas)), 16, max_tail / 512})));
-  if (env_int("CHUNKATTN_CHUNK_SPLITS") > 0) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
-  if (env_int("CHUNKATTN_SEQ_SPLITS") > 0) ss = env_int("CHUNKATTN_SEQ_SPLITS");
-  while (int64_t(cs) * num_partials + int64_t(num_seqs) * (ss - 1) > slots) {
-    if (ss > 1) --ss;
-    else --cs;  // cs == 1 always fits: slots >= num_partials
-  }
-  p.chunk_splits = cs;
-  p.seq_splits = ss;
+  const TppWork w = make_tpp_work(s, node_block_ids.size(0), block_table.size(1), slots, resident_ctas);
+  p.chunk_heads = w.chunk_heads;
+  p.chunk_head_tiles = w.chunk_head_tiles;
+  p.chunk_seqs = w.chunk_seqs;
+  p.num_windows = w.num_windows;
+  p.seq_heads = w.seq_heads;
+  p.seq_head_tiles = w.seq_head_tiles;
+  p.chunk_splits = w.chunk_splits;
+  p.seq_splits = w.seq_splits;
   return p;
 }
 

@@ -1,6 +1,6 @@
 // TPP decode kernels on tensor cores (mma.sync m16n8k16, fp32 accumulation), framework-free.
 //
-// Work decomposition (tests/test_cuda_host.py emulates it line by line; keep the two in step):
+// Work decomposition (sizes and KV splits chosen on the host: tpp_host.h, make_tpp_work):
 //   launch 1, tpp_partial_kernel, grid (chunk CTAs + seq-split CTAs, num_kv_heads):
 //     chunk CTA  = (KV split s, window, head tile): the rows of one shared node that fall in one
 //                  window of `chunk_seqs` partial positions (windows are aligned in partial space,
@@ -515,9 +515,27 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// Partial-kernel CTAs one SM runs at once, registers and shared memory both counted (ptxas,
+// sm_90a: 151 registers at head 64 allow 3, not the 4 its shared memory would), 0 if the runtime
+// cannot tell. The split choice (tpp_host.h) sizes its waves by it.
+template <typename T, int D>
+int tpp_partial_ctas_per_sm() {
+  const int smem = tpp_partial_smem_bytes(D);
+  int n = 0;
+  if (cudaFuncSetAttribute(tpp_partial_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tpp_partial_kernel<T, D>, kThreads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();  // not the launch's error: the launch checks cudaGetLastError
+    return 0;
+  }
+  return n;
+}
+
 #ifndef CHUNKATTN_INSTANTIATE
 // Instantiated in tpp_kernels_{fp16,bf16}.cu so the two dtypes compile in parallel.
-#define CHUNKATTN_EXTERN(T, D) extern template cudaError_t launch_tpp_decode<T, D>(const TppParams&, cudaStream_t);
+#define CHUNKATTN_EXTERN(T, D)                                                              \
+  extern template cudaError_t launch_tpp_decode<T, D>(const TppParams&, cudaStream_t); \
+  extern template int tpp_partial_ctas_per_sm<T, D>();
 CHUNKATTN_EXTERN(__half, 64)
 CHUNKATTN_EXTERN(__half, 128)
 CHUNKATTN_EXTERN(__half, 256)

@@ -1,8 +1,9 @@
 // torch.ops.chunkattn_simt.tpp_decode: the CUDA op (csrc/cuda/tpp_decode.cu) run on CPU tensors
 // through the SIMT emulation, for tests on machines without a GPU. Same argument checks, same
 // TppParams and split choice (tpp_host.h), same launch shapes and the same kernel source
-// (tpp_kernels.cuh); only the GPU is stood in for (simt_emu.h). Extra arguments: the SM count
-// the split heuristic sizes for, the emulation's seed and its cp.async landing mode.
+// (tpp_kernels.cuh); only the GPU is stood in for (simt_emu.h). Extra arguments: the resident
+// CTAs the split choice sizes its waves for (an H100 at head 128: 132 SMs x 2), the emulation's
+// seed and its cp.async landing mode. tpp_work: the decomposition alone (make_tpp_work).
 // Test-only: built by vllm_chunkattn.ops.jit_build.load_simt_emulation, never by setup.py.
 #define CHUNKATTN_SIMT_EMULATION
 #include <torch/library.h>
@@ -40,7 +41,7 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
                          const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
                          const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o,
                          const at::Tensor& partial_m, const at::Tensor& partial_l, double scale,
-                         const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t sm_count,
+                         const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t resident_ctas,
                          int64_t seed, bool cp_async_lands_at_issue) {
   const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
                                     node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
@@ -50,7 +51,7 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   const TppParams p = make_tpp_params(s, query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
                                       node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
                                       seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                      scale, out, lse, int(sm_count));
+                                      scale, out, lse, resident_ctas);
   if (p.num_seqs == 0) return;
   std::vector<simt::GlobalRange> globals;
   for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_table, &seq_lens, &node_block_indptr,
@@ -74,11 +75,34 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
 // The kernel's shared memory per head size, for the test of vllm_chunkattn/ops/cuda_fit.py's copy.
 int64_t partial_smem_bytes(int64_t head_size) { return tpp_partial_smem_bytes(int(head_size)); }
 
+// make_tpp_work for sizes alone: [chunk_heads, chunk_head_tiles, chunk_seqs, num_windows,
+// seq_heads, seq_head_tiles, chunk_splits, seq_splits].
+std::vector<int64_t> tpp_work(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                              int64_t num_nodes, int64_t num_partials, int64_t node_blocks, int64_t table_width,
+                              int64_t slots, int64_t resident_ctas) {
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && block_size > 0 && slots >= num_partials,
+              "chunkattn_simt.tpp_work: sizes no call would pass");
+  TppSizes s{};
+  s.num_seqs = num_seqs;
+  s.num_heads = num_heads;
+  s.num_kv_heads = num_kv_heads;
+  s.block_size = block_size;
+  s.num_nodes = num_nodes;
+  s.num_partials = num_partials;
+  const TppWork w = make_tpp_work(s, node_blocks, table_width, slots, resident_ctas);
+  return {w.chunk_heads, w.chunk_head_tiles, w.chunk_seqs, w.num_windows,
+          w.seq_heads, w.seq_head_tiles, w.chunk_splits, w.seq_splits};
+}
+
 }  // namespace
 }  // namespace chunkattn
 
 TORCH_LIBRARY(chunkattn_simt, m) {
-  m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ", int sm_count, int seed, bool cp_async_lands_at_issue) -> ()");
-  m.def("partial_smem_bytes(int head_size) -> int", &chunkattn::partial_smem_bytes);  // no tensors: catch-all
+  m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ", int resident_ctas, int seed, bool cp_async_lands_at_issue) -> ()");
+  // No tensors: catch-all kernels.
+  m.def("partial_smem_bytes(int head_size) -> int", &chunkattn::partial_smem_bytes);
+  m.def("tpp_work(int num_seqs, int num_heads, int num_kv_heads, int block_size, int num_nodes, int num_partials, "
+        "int node_blocks, int table_width, int slots, int resident_ctas) -> int[]",
+        &chunkattn::tpp_work);
 }
 TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) { m.impl("tpp_decode", &chunkattn::tpp_decode_emulated); }

@@ -27,6 +27,7 @@ also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -54,6 +55,11 @@ CONTENDERS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan", "fi_decode"
 BASELINES = ("empty_plan", "fi_decode", "fi_decode_graph", "fi_cascade", "fi_cascade_graph",
              "sdpa")
 OURS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan")   # a mismatch fails the run
+# Points where ours is also timed with its chunk-first KV splits forced (the host code's wave
+# rule, csrc/cuda/tpp_host.h, against its neighbours), in a workspace with room for 16.
+SPLIT_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("llama8b", "b=32 P=4096 S=1024"),
+                      ("rl", "G=4 n=8 prompt 4K, gen 0"), ("smoke", "b=4 P=64 S=20")}
+SWEEP_SPLITS = (1, 4, 6, 7, 8, 9, 12, 16)
 
 
 def cuda_graph(fn):
@@ -73,31 +79,49 @@ def cuda_graph(fn):
     return replay
 
 
+@contextlib.contextmanager
+def forced_splits(name: str, value: int):
+    """CHUNKATTN_{CHUNK,SEQ}_SPLITS set for the block: the op reads them on every eager call."""
+    saved = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
     """Median kernel time of the chunk-first launch in µs, or (nan, why not)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    saved = os.environ.get("CHUNKATTN_SEQ_SPLITS")
-    os.environ["CHUNKATTN_SEQ_SPLITS"] = "1"     # the op reads it on every call
     try:
-        fn()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                timer.flush.zero_()
-                fn()
-            torch.cuda.synchronize()
+        with forced_splits("CHUNKATTN_SEQ_SPLITS", 1):
+            fn()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    timer.flush.zero_()
+                    fn()
+                torch.cuda.synchronize()
         times = [e.time_range.elapsed_us() for e in prof.events()
                  if e.device_type == DeviceType.CUDA and "tpp_partial_kernel" in e.name]
     except Exception as e:                       # a profiler without CUPTI: report, carry on
         return math.nan, f"chunk-first profile failed: {type(e).__name__}: {e}"
-    finally:
-        if saved is None:
-            os.environ.pop("CHUNKATTN_SEQ_SPLITS", None)
-        else:
-            os.environ["CHUNKATTN_SEQ_SPLITS"] = saved
     if not times:
         return math.nan, "no tpp_partial_kernel in the profile (kernel renamed or fused?)"
     return statistics.median(times), ""
+
+
+def split_sweep(bt, plan, timer: Timer, reps: int) -> str:
+    """'<splits>: <µs>' of our op (eager) at each of SWEEP_SPLITS chunk-first KV splits."""
+    fn = ours(bt, plan, TppWorkspace(spare_rows_per_partial=max(SWEEP_SPLITS)))
+    timed = []
+    for splits in SWEEP_SPLITS:
+        with forced_splits("CHUNKATTN_CHUNK_SPLITS", splits):
+            timed.append(f"{splits}: {timer(fn, reps) * 1e3:.1f}")
+    return "; ".join(timed)
 
 
 def _is_build_failure(e: Exception) -> bool:
@@ -224,6 +248,9 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     row["cf_pct_peak"] = round(100 * row["cf_TFLOPs"] / ceilings[f"gemm_TFLOPs_{shape.dtype}"], 1)
     notes = [f"{k}: {v}" for k, v in missing.items()
              if not v.startswith(("CUDA only", "not timed"))]
+    row["split_sweep_us"] = (split_sweep(bt, plan, timer, args.reps)
+                             if (point.grid, point.label) in SPLIT_SWEEP_POINTS
+                             and plan.num_nodes and "ours" in fns else "")
     row["notes"] = "; ".join(notes + ([why] if why and flops else []))
     row["ours_ok"] = ours_ok
     return row

@@ -93,6 +93,20 @@ def goal_lines(rows: list[dict]) -> list[str]:
     ]
 
 
+def split_sweep_lines(rows: list[dict]) -> list[str]:
+    swept = [r for r in rows if r.get("split_sweep_us")]
+    if not swept:
+        return []
+    return ["## Chunk-first KV splits: the op's choice against forced counts", "",
+            "The host code (csrc/cuda/tpp_host.h, make_tpp_work) picks the fewest splits that "
+            "fill the partial launch's waves of resident CTAs within 85 % of the best count. "
+            "Here our op (eager) is also timed with CHUNKATTN_CHUNK_SPLITS forced, in a "
+            "workspace with room for 16 splits; a forced count well under the choice's µs "
+            "means the rule misjudges this device.", "",
+            *[f"- {r['grid']} {r['point']}: the op's choice {_fmt(r['ours_us'])} µs; forced "
+              f"splits: µs {r['split_sweep_us']}" for r in swept], ""]
+
+
 def disagreement_lines(rows: list[dict]) -> list[str]:
     bad = [r["point"] for r in rows if not r["ours_ok"]]
     if not bad:
@@ -111,7 +125,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['gemm_TFLOPs_bfloat16']} TFLOP/s bf16, {meta['gemm_TFLOPs_float16']} "
              f"TFLOP/s fp16.", "",
              *disagreement_lines(rows),
-             "## Goals (issue #9)", "", *goal_lines(rows), "",
+             "## Goals (issue #9)", "", *goal_lines(rows), "", *split_sweep_lines(rows),
              "## Method", "",
              f"One layer, one decode step. Times are µs, the median of up to {meta['reps']} "
              "repeats after a warm-up, each timed with CUDA events after a 256 MB write that "
