@@ -64,8 +64,8 @@ struct TppWork {
 };
 
 // Fraction of the CTA slots a launch of `ctas` keeps busy over its waves (`resident` CTAs run at
-// once): 1.09 waves leave the last 0.09 wave nearly alone on the GPU, at about the time a full
-// wave takes, since one CTA streams its KV at a fraction of the HBM bandwidth.
+// once): 1.09 waves leave the last 0.09 wave nearly alone on the GPU for much of a full wave's
+// time, since one CTA streams its KV at a fraction of the HBM bandwidth (a model, not measured).
 inline double wave_fill(int64_t ctas, int64_t resident) {
   if (ctas <= 0) return 0.0;
   const int64_t waves = (ctas + resident - 1) / resident;
