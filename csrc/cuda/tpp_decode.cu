@@ -55,12 +55,9 @@ int resident_ctas(int device, bool half, int head_size, cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
     if (capture != cudaStreamCaptureStatusNone) return 2 * sm_count(device);
-    int per_sm = 0;
-    switch (head_size) {
-      case 64: per_sm = half ? tpp_partial_ctas_per_sm<__half, 64>() : tpp_partial_ctas_per_sm<__nv_bfloat16, 64>(); break;
-      case 128: per_sm = half ? tpp_partial_ctas_per_sm<__half, 128>() : tpp_partial_ctas_per_sm<__nv_bfloat16, 128>(); break;
-      default: per_sm = half ? tpp_partial_ctas_per_sm<__half, 256>() : tpp_partial_ctas_per_sm<__nv_bfloat16, 256>(); break;
-    }
+    const int per_sm = with_tpp_types(half, head_size, [](auto t, auto d) {
+      return tpp_partial_ctas_per_sm<typename decltype(t)::type, decltype(d)::value>();
+    });
     n = sm_count(device) * (per_sm > 0 ? per_sm : 2);
   }
   return n;
@@ -118,12 +115,9 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                                       resident_ctas(query.get_device(), half, int(s.head_size), stream));
   if (p.num_seqs == 0) return;
 
-  cudaError_t err = cudaSuccess;
-  switch (s.head_size) {
-    case 64: err = half ? launch_tpp_decode<__half, 64>(p, stream) : launch_tpp_decode<__nv_bfloat16, 64>(p, stream); break;
-    case 128: err = half ? launch_tpp_decode<__half, 128>(p, stream) : launch_tpp_decode<__nv_bfloat16, 128>(p, stream); break;
-    default: err = half ? launch_tpp_decode<__half, 256>(p, stream) : launch_tpp_decode<__nv_bfloat16, 256>(p, stream); break;
-  }
+  const cudaError_t err = with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
+    return launch_tpp_decode<typename decltype(t)::type, decltype(d)::value>(p, stream);
+  });
   TORCH_CHECK(err == cudaSuccess, "chunkattn::tpp_decode CUDA launch failed: ", cudaGetErrorString(err));
 }
 

@@ -29,6 +29,8 @@
 #endif
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace chunkattn {
 
 constexpr int kWarps = 4;
@@ -60,6 +62,22 @@ constexpr int tpp_partial_smem_bytes(int head_size) {
   return head_size == 64    ? TileShape<64>::smem_bytes(kMaxRows)
          : head_size == 128 ? TileShape<128>::smem_bytes(kMaxRows)
                             : TileShape<256>::smem_bytes(kMaxRows);
+}
+
+// The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 128 / 256; the op
+// checked the head size): calls f(DtypeTag<T>{}, std::integral_constant<int, D>{}).
+template <typename T>
+struct DtypeTag {
+  using type = T;
+};
+template <typename F>
+decltype(auto) with_tpp_types(bool half, int head_size, F&& f) {
+  using I64 = std::integral_constant<int, 64>;
+  using I128 = std::integral_constant<int, 128>;
+  using I256 = std::integral_constant<int, 256>;
+  if (head_size == 64) return half ? f(DtypeTag<__half>{}, I64{}) : f(DtypeTag<__nv_bfloat16>{}, I64{});
+  if (head_size == 128) return half ? f(DtypeTag<__half>{}, I128{}) : f(DtypeTag<__nv_bfloat16>{}, I128{});
+  return half ? f(DtypeTag<__half>{}, I256{}) : f(DtypeTag<__nv_bfloat16>{}, I256{});
 }
 
 // Everything a launch reads. Strides are in elements; the last dim of every tensor is dense.

@@ -65,11 +65,9 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   o.seed = unsigned(seed);
   o.cp_async_lands_at_issue = cp_async_lands_at_issue;
   const bool half = query.scalar_type() == at::kHalf;
-  switch (s.head_size) {
-    case 64: half ? emulate<__half, 64>(p, globals, o) : emulate<__nv_bfloat16, 64>(p, globals, o); break;
-    case 128: half ? emulate<__half, 128>(p, globals, o) : emulate<__nv_bfloat16, 128>(p, globals, o); break;
-    default: half ? emulate<__half, 256>(p, globals, o) : emulate<__nv_bfloat16, 256>(p, globals, o); break;
-  }
+  with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
+    emulate<typename decltype(t)::type, decltype(d)::value>(p, globals, o);
+  });
 }
 
 // The kernel's shared memory per head size, for the test of vllm_chunkattn/ops/cuda_fit.py's copy.
