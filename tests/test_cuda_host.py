@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from vllm_chunkattn.bench.kernel_trees import PAPER, single_prefix, tree_block_table
 from vllm_chunkattn.plan import build_plan
+from vllm_chunkattn.testing import chunk_ctas_with_rows, tpp_work
 
-FIELDS = ("chunk_heads", "chunk_head_tiles", "chunk_seqs", "num_windows", "seq_heads",
-          "seq_head_tiles", "chunk_splits", "seq_splits")
 H100 = 132 * 2          # resident partial-kernel CTAs of an H100 at head 128 (2 per SM)
 MAX_ROWS, SEQ_HEADS = 64, 16
 
@@ -23,21 +23,12 @@ MAX_ROWS, SEQ_HEADS = 64, 16
 def work(emu, *, num_seqs, num_heads, num_kv_heads, block_size=16, num_nodes=0, num_partials=0,
          node_blocks=0, table_width=1, slots=None, resident=H100) -> dict:
     slots = max(num_partials, 1) if slots is None else slots
-    return dict(zip(FIELDS, emu.tpp_work(num_seqs, num_heads, num_kv_heads, block_size, num_nodes,
-                                         num_partials, node_blocks, table_width, slots, resident)))
+    return tpp_work(emu, num_seqs, num_heads, num_kv_heads, block_size, num_nodes, num_partials,
+                    node_blocks, table_width, slots, resident)
 
 
 def wave_fill(ctas: int, resident: int) -> float:
     return ctas / (math.ceil(ctas / resident) * resident)
-
-
-def chunk_ctas_with_rows(plan, w: dict, num_kv_heads: int) -> int:
-    """Chunk CTAs of one KV split that hold rows: node n's sharers sit at partial positions
-    node_seq_indptr[n] .. [n+1], cut into windows aligned at multiples of chunk_seqs."""
-    ind = plan.node_seq_indptr.tolist()
-    windows = sum(len({p // w["chunk_seqs"] for p in range(ind[n], ind[n + 1])})
-                  for n in range(plan.num_nodes))
-    return windows * w["chunk_head_tiles"] * num_kv_heads
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8, 16, 48, 64, 80, 128])
@@ -123,7 +114,24 @@ def test_the_paper_anchor_fills_its_waves(emu, resident):
              num_nodes=plan.num_nodes, num_partials=plan.num_partials,
              node_blocks=plan.node_block_ids.numel(), table_width=table.shape[1],
              slots=plan.num_partials * 5 + 8 * 32, resident=resident)
-    per_split = chunk_ctas_with_rows(plan, w, num_kv_heads=32)
+    per_split = chunk_ctas_with_rows(plan, w["chunk_seqs"], w["chunk_head_tiles"], 32)
     assert per_split == 32
     ctas = w["chunk_splits"] * per_split + 32 * 32 * (w["seq_splits"] - 1)
     assert ctas <= resident and wave_fill(ctas, resident) >= 0.8, (w, ctas)
+
+
+def test_the_launch_table_covers_the_gpu_grid(emu, capsys, monkeypatch):
+    # benchmarks/gpu/launch_waves.py: one row per point of bench kernel's GPU grid, and the
+    # paper anchor's partial launch within one wave (the property above, end to end).
+    import runpy
+    import sys
+
+    from vllm_chunkattn.bench.kernel_trees import grid_points
+    monkeypatch.setattr(sys, "argv", ["launch_waves.py"])
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks/gpu/launch_waves.py"),
+                   run_name="__main__")
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith(("| grid", "|---"))]
+    assert [r[1] for r in rows] == [p.label for p in grid_points("gpu")]
+    anchor = next(r for r in rows if r[1] == "n_p=4096 n_s=4096")
+    assert 0.8 <= float(anchor[5]) <= 1.0
