@@ -125,3 +125,101 @@ exit 0
     detached_ends = max(i for i, x in enumerate(lines) if x == "warm-end")
     assert lines.index("bench") > detached_ends
     assert lines[:lines.index("bench")].count("warm-start") == 4     # detached, then cached
+
+
+DETACHED = ROOT / "benchmarks" / "gpu" / "detached_bench.sh"
+INSTALL = ROOT / "benchmarks" / "gpu" / "install_bundle.sh"
+
+
+def _detached_env(tmp_path: Path, fake_py: Path, **extra) -> dict:
+    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake_py),
+            "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+            "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(tmp_path / "none"),
+            "FI_SITE": str(tmp_path / "site"), "WARM_STATE": str(tmp_path / "warm"),
+            "BENCH_STATE": str(tmp_path / "bench"), "VLLM_MARKER": str(tmp_path / "marker"),
+            "VLLM_SITE": str(tmp_path / "vllm_site"), **extra}
+
+
+def _end_session(sid: int) -> None:
+    subprocess.run(["pkill", "-KILL", "-s", str(sid)], capture_output=True)
+
+
+def _until(cond, seconds=20.0):
+    import time
+    t = time.time()
+    while not cond():
+        assert time.time() - t < seconds, "timed out"
+        time.sleep(0.1)
+
+
+def test_detached_bench_runs_beside_the_part_calls_and_gates_the_gpu(tmp_path):
+    """STAGES=bench-detach: the call returns while the benchmarks run on (from a snapshot of the
+    tree, in their own session); the part calls report its progress; the GPU tests under vLLM
+    start only once it has ended; `collect` brings its files back with what ran beside it."""
+    record, release = tmp_path / "record", tmp_path / "release"
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f"""#!/bin/sh
+case "$*" in
+  *"bench kernel"*) echo "bench-start $PWD" >> {record}
+                    while [ ! -f {release} ]; do sleep 0.1; done
+                    echo bench-end >> {record} ;;
+  *"-m pytest"*) echo pytest >> {record} ;;
+esac
+exit 0
+""")
+    fake_py.chmod(0o755)
+    env = _detached_env(tmp_path, fake_py)
+    first = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                           env={**env, "STAGES": "bench-detach"}, timeout=120)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert first.returncode == 0, summary
+    assert re.search(r"bench-detach +started \(pid \d+, BUDGET_S 480", summary), summary
+    pid = int((tmp_path / "bench" / "pid").read_text())
+    try:
+        _until(lambda: record.exists() and "bench-start" in record.read_text())
+        assert f"bench-start {tmp_path / 'bench' / 'src'}" in record.read_text()   # the snapshot
+        assert os.getsid(pid) == pid                          # its own session: outlives the call
+
+        (tmp_path / "marker").write_text("t c02\nt c03\nt c04\n")             # three part calls
+        status = subprocess.run(["bash", str(DETACHED), "status"], env=env, capture_output=True,
+                                text=True, timeout=30).stdout
+        assert "detached bench: running" in status and "bench-trees" in status, status
+
+        threading.Timer(2.0, release.touch).start()
+        subprocess.run(["bash", str(INSTALL), "gputests"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+        lines = record.read_text().split("\n")
+        assert "pytest" in lines and lines.index("bench-end") < lines.index("pytest"), lines
+
+        collected = subprocess.run(["bash", str(DETACHED), "collect"], env={
+            **env, "OUT": str(tmp_path / "back")}, capture_output=True, text=True, timeout=120)
+        back = tmp_path / "back"
+        text = (back / "summary.md").read_text()
+        assert "beside it: 3 part calls" in text and "rc 0" in text, collected.stdout
+        assert re.search(r"bench-trees +ok", text), text
+        assert (back / "detached_bench.log").exists() and (back / "results.tar.gz").exists()
+        assert len(list(back.iterdir())) <= 8                 # what the device tool brings back
+    finally:
+        release.touch()
+        _end_session(pid)
+
+
+def test_a_hung_detached_bench_is_ended_when_its_budget_is_spent(tmp_path):
+    """`wait` gives a detached bench its budget and the grace, then ends its whole session, so a
+    hang cannot hold the GPU from the install and the servers."""
+    fake_py = tmp_path / "python"
+    fake_py.write_text("#!/bin/sh\ntrap '' TERM\nwhile :; do sleep 0.2; done\n")   # hangs in 'env'
+    fake_py.chmod(0o755)
+    env = _detached_env(tmp_path, fake_py, BENCH_BUDGET_S="16", BENCH_GRACE_S="0")
+    started = subprocess.run(["bash", str(DETACHED), "start"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert "started" in started.stdout, started.stdout + started.stderr
+    pid = int((tmp_path / "bench" / "pid").read_text())
+    try:
+        waited = subprocess.run(["bash", str(DETACHED), "wait"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert "ended (its session killed)" in waited.stdout, waited.stdout
+        _until(lambda: subprocess.run(["pgrep", "-s", str(pid)], capture_output=True).returncode)
+        assert (tmp_path / "bench" / "rc").read_text().strip() == "137"
+    finally:
+        _end_session(pid)

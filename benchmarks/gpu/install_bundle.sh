@@ -3,6 +3,7 @@
 # Run in the repo root on the lent GPU machine:
 #   bash benchmarks/gpu/install_bundle.sh facts      # python, GPU, the image's CUDA wheels
 #   bash benchmarks/gpu/install_bundle.sh collect    # this call's .bundle/cNN part -> /tmp, marker
+#                                                    # (and a detached bench's progress)
 #   bash benchmarks/gpu/install_bundle.sh unpack     # reassemble the parts, verify every wheel
 #   bash benchmarks/gpu/install_bundle.sh install    # unpack, pip --target, link CUDA libs, check
 #   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vllm._C, the plugin
@@ -97,6 +98,7 @@ collect() {   # copy the part(s) carried in this call to $PARTS and verify them 
     log "group $g: ${missing:+missing }${missing:-complete}${missing:+$( [ "$g" = nccl ] &&
       echo "(carried only if install's NCCL check fails with nccl_compat.c)")}"
   done < <(awk '$1 == "group" {print $2}' "$MANIFEST")
+  bash benchmarks/gpu/detached_bench.sh status   # issue #9's bench, if one runs beside the parts
 }
 
 assemble() {  # group -> $WHEELS; parts checked again: one bad byte must not reach pip
@@ -156,7 +158,10 @@ nccl_compat() {     # the shim, unless NCCL 2.29 came in the nccl group (carried
 }
 
 install() {
-  local img t0=$SECONDS wheels
+  local img t0 wheels
+  # The inflating takes every core: not while a detached bench is timing (detached_bench.sh).
+  bash benchmarks/gpu/detached_bench.sh wait
+  t0=$SECONDS
   img=$(image_site)
   unpack
   mapfile -t reserve < <(cd "$WHEELS" && reserve_needed)
@@ -306,6 +311,7 @@ PY
 # with no host sync, and FULL decode graphs replaying each step's tree through the builder.
 # All of them must pass here: a skip is a failure.
 gputests() {
+  bash benchmarks/gpu/detached_bench.sh wait     # the GPU is a detached bench's until it ends
   eval "$(print_env)"
   local files last
   mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py | xargs grep -l 'importorskip("vllm")')
@@ -328,5 +334,5 @@ case "${1:-}" in
   check) check ;;
   gputests) gputests ;;
   env) print_env ;;
-  *) sed -n '2,10p' "$0"; exit 2 ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
 esac

@@ -11,7 +11,8 @@
 # Exit status: 1 when the build, a test or the sanitizer failed (bench failures: see summary).
 # Knobs: BUDGET_S, STAGES ("tests sanitizer bench"), FULL_GRID_MIN_S (200), PYTHON, MAX_JOBS.
 # STAGES may add flashinfer-warm: FlashInfer's JIT build started detached (it outlives the call
-# on the warm machine), so a later STAGES=bench call finds it built (it waits for it if not done).
+# on the warm machine), so a later STAGES=bench call finds it built (it waits for it if not done);
+# or bench-detach: the whole bench stage detached (detached_bench.sh), collected by a later call.
 set -uo pipefail
 OUT=${OUT:-/tmp/chunkattn_out}
 WORK=${WORK:-/tmp/chunkattn_run}
@@ -72,31 +73,34 @@ stage env 60 "$WORK/env.log" env PY="$PY" bash -c '
   nproc; free -g | head -2'
 
 # ---- FlashInfer from carried wheels (benchmarks/gpu/fetch_wheels.sh), into $FI_SITE
+fi_ok=0
 if compgen -G "$FI_WHEELS/*.whl" > /dev/null; then
   # Installed once per warm machine: a detached warm-up (flashinfer-warm) may still be compiling
   # from $FI_SITE, which a reinstall would pull from under it.
   stamp=$(stat -c '%s %n' "$FI_WHEELS"/*.whl | sha256sum | cut -c1-16)
-  fi_ok=0
   if [ "$(cat "$FI_SITE/.wheels_stamp" 2>/dev/null)" = "$stamp" ]; then
     printf '%-22s ok (installed by an earlier call)\n' flashinfer >> "$SUMMARY"; fi_ok=1
   elif stage flashinfer 120 "$WORK/env.log" "$PY" -m pip install -q --no-index --no-deps \
       --no-compile --no-cache-dir --upgrade --target "$FI_SITE" "$FI_WHEELS"/*.whl; then
     echo "$stamp" > "$FI_SITE/.wheels_stamp"; fi_ok=1
   fi
-  if (( fi_ok )); then
-    export PYTHONPATH="$FI_SITE:$PYTHONPATH"
-    FLASHINFER_CUDA_ARCH_LIST=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}' + ('a' if m == 9 else ''))")
-    export FLASHINFER_CUDA_ARCH_LIST
-    # FA3-based paths include curand_kernel.h; torch's nvidia-curand wheel has it if CUDA lacks it.
-    if [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/curand_kernel.h" ]; then
-      curand=$("$PY" -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)
-      inc=$(find "${curand:-/nonexistent}/nvidia" -name curand_kernel.h -printf '%h\n' 2>/dev/null | head -1)
-      [ -n "$inc" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-I$inc"
-    fi
-    "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$WORK/env.log"
-  fi
+elif [ -f "$FI_SITE/.wheels_stamp" ]; then   # a call without the wheels on a warm machine
+  printf '%-22s ok (installed by an earlier call; wheels not carried)\n' flashinfer >> "$SUMMARY"
+  fi_ok=1
 else
   printf '%-22s SKIPPED (no benchmarks/gpu/wheels: run fetch_wheels.sh, carry it)\n' flashinfer >> "$SUMMARY"
+fi
+if (( fi_ok )); then
+  export PYTHONPATH="$FI_SITE:$PYTHONPATH"
+  FLASHINFER_CUDA_ARCH_LIST=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}' + ('a' if m == 9 else ''))")
+  export FLASHINFER_CUDA_ARCH_LIST
+  # FA3-based paths include curand_kernel.h; torch's nvidia-curand wheel has it if CUDA lacks it.
+  if [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/curand_kernel.h" ]; then
+    curand=$("$PY" -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)
+    inc=$(find "${curand:-/nonexistent}/nvidia" -name curand_kernel.h -printf '%h\n' 2>/dev/null | head -1)
+    [ -n "$inc" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-I$inc"
+  fi
+  "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$WORK/env.log"
 fi
 
 # ---- build (JIT, local arch; sm_90a on Hopper)
@@ -181,6 +185,17 @@ if (( build_rc == 0 )); then
     setsid nohup timeout 300 "${WARM_CMD[@]}" > "$WARM_STATE.log" 2>&1 < /dev/null &
     echo $! > "$WARM_STATE.pid"
     printf '%-22s started detached (pid %s, %s.log)\n' flashinfer-warm $! "$WARM_STATE" >> "$SUMMARY"
+  fi
+
+  # ---- the benchmarks below, detached (detached_bench.sh): they run on while the next calls
+  # carry issue #10's bundle, and only for a kernel whose tests and sanitizer passed
+  if want bench-detach; then
+    if (( FAILED )); then
+      printf '%-22s SKIPPED (a test or the sanitizer failed)\n' bench-detach >> "$SUMMARY"
+    else
+      msg=$(bash benchmarks/gpu/detached_bench.sh start 2>&1)
+      printf '%-22s %s\n' bench-detach "${msg#detached bench: }" >> "$SUMMARY"
+    fi
   fi
 
   # ---- benchmarks (bench kernel: cold L2, CUDA events, median; microbench: graph replay)

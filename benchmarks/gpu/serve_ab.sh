@@ -21,6 +21,7 @@ N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
 BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
 STOP_S=45                                    # kept for stopping the server (<= 30 s) and the report
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
+bash benchmarks/gpu/detached_bench.sh wait   # vLLM reserves most of the GPU: not beside a bench
 export PYTHONUNBUFFERED=1
 
 PY=${PYTHON:-python3}                        # the image's python (torch, transformers)

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -63,10 +64,34 @@ def build_dir(csrc_dir: Path, arch: str) -> Path:
     root = Path(os.environ.get("CHUNKATTN_BUILD_DIR")
                 or Path.home() / ".cache" / "vllm_chunkattn" / "jit")
     h = hashlib.sha256(f"{torch.__version__}|{torch.version.cuda}|{arch}".encode())
-    for f in sorted(p for p in csrc_dir.rglob("*") if p.suffix in {".cpp", ".cu", ".h", ".cuh"}):
+    for f in _source_tree(csrc_dir):
         h.update(f.relative_to(csrc_dir).as_posix().encode())
         h.update(f.read_bytes())
     return root / h.hexdigest()[:16]
+
+
+def _source_tree(csrc_dir: Path) -> list[Path]:
+    """Every file a build of csrc_dir can read: what build_dir hashes and _staged copies."""
+    return sorted(p for p in csrc_dir.rglob("*") if p.suffix in {".cpp", ".cu", ".h", ".cuh"})
+
+
+def _staged(csrc_dir: Path, out: Path) -> Path:
+    """csrc_dir copied into the build dir its content names, once. torch writes absolute source
+    and include paths into build.ninja, so building a checkout's own files rebuilds everything
+    whenever the checkout is somewhere else (a second clone, the device script's snapshot of the
+    tree); the copy's paths depend on the content alone."""
+    staged = out / "csrc"
+    if not staged.is_dir():
+        tmp = Path(tempfile.mkdtemp(dir=out, prefix=".csrc-"))
+        for f in _source_tree(csrc_dir):
+            dst = tmp / f.relative_to(csrc_dir)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
+        try:
+            tmp.rename(staged)
+        except OSError:                        # another process staged the same content first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return staged
 
 
 def _has_cudart(home: str | None) -> bool:
@@ -122,14 +147,17 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
 
 
 def _load(csrc_dir: Path, name: str, sources, key: str, verbose: bool, **flags) -> None:
-    """cpp_extension.load of `sources` (csrc/ on the include path) into its own build_dir."""
+    """cpp_extension.load of `sources` (files of csrc_dir, compiled from its staged copy, which is
+    on the include path) into its own build_dir."""
     from torch.utils import cpp_extension
 
     out = build_dir(csrc_dir, key)
     out.mkdir(parents=True, exist_ok=True)
+    staged = _staged(csrc_dir, out)
     logger.info("chunkattn: JIT-building %s (%s) in %s", name, key, out)
-    cpp_extension.load(name=name, sources=[str(s) for s in sources],
-                       extra_include_paths=[str(csrc_dir)], build_directory=str(out),
+    cpp_extension.load(name=name, sources=[str(staged / Path(s).relative_to(csrc_dir))
+                                           for s in sources],
+                       extra_include_paths=[str(staged)], build_directory=str(out),
                        is_python_module=False, verbose=verbose, **flags)
 
 
