@@ -17,9 +17,17 @@ cd "$(dirname "$0")/../.." || exit 1
 STATE=${BENCH_STATE:-/tmp/chunkattn_bench}
 MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}   # install_bundle.sh collect: a line per part call
 
-# Every process of its session: its stages run under `timeout`, each in a process group of its own.
-end_session() { pkill "-$1" -s "$(cat "$STATE/pid")" || kill "-$1" -- "-$(cat "$STATE/pid")"; } 2> /dev/null
-alive() { [ -f "$STATE/pid" ] && kill -0 "$(cat "$STATE/pid")" 2> /dev/null; }
+# Its session's processes, from /proc (field 6 of stat is the session id; the image may lack
+# procps): its stages run under `timeout`, each in a process group of its own.
+session_pids() {
+  awk -v sid="$(cat "$STATE/pid")" '$6 == sid { split(FILENAME, p, "/"); print p[3] }' \
+    /proc/[0-9]*/stat 2> /dev/null
+}
+end_session() { local pids; mapfile -t pids < <(session_pids); kill "-$1" "${pids[@]}" 2> /dev/null; }
+# Alive: its pid still leads a session (a recycled pid almost never does).
+alive() {
+  [ -f "$STATE/pid" ] && [ "$(cut -d' ' -f6 "/proc/$(cat "$STATE/pid")/stat" 2> /dev/null)" = "$(cat "$STATE/pid")" ]
+}
 since() { echo $(( $(date +%s) - $(cat "$STATE/started") )); }
 part_calls() { [ -f "$MARKER" ] && wc -l < "$MARKER" || echo 0; }
 
@@ -75,7 +83,7 @@ collect() {
   local out=${OUT:-/tmp/chunkattn_out}
   mkdir -p "$out"
   # Its summary says what ran beside it: the part calls of the bundle (file copies).
-  [ -f "$STATE/out/summary.md" ] && printf '%s\n' \
+  [ -f "$STATE/out/summary.md" ] && ! grep -q '^== detached:' "$STATE/out/summary.md" && printf '%s\n' \
     "== detached: $(cat "$STATE/budget") s budget, ended after $(( $(cat "$STATE/ended" 2> /dev/null || date +%s) - $(cat "$STATE/started") )) s, rc $(cat "$STATE/rc" 2> /dev/null || echo '?');" \
     "   beside it: $(( $(part_calls) - $(cat "$STATE/parts_before") )) part calls of the vLLM bundle (file copies, no GPU)" \
     >> "$STATE/out/summary.md"
