@@ -223,3 +223,23 @@ def test_a_hung_detached_bench_is_ended_when_its_budget_is_spent(tmp_path):
         assert (tmp_path / "bench" / "rc").read_text().strip() == "137"
     finally:
         _end_session(pid)
+
+
+def test_the_session_plan_names_only_what_the_scripts_do():
+    """benchmarks/gpu/README.md is what a GPU session follows call by call, with no time to spare
+    for a typo: every `bash benchmarks/gpu/X.sh SUB` it names exists and takes SUB, and every
+    STAGES word it sets is one run_on_device.sh acts on."""
+    readme = (ROOT / "benchmarks" / "gpu" / "README.md").read_text()
+    calls = set(re.findall(r"bash (benchmarks/gpu/[a-z_]+\.sh)(?: ([a-z]+))?", readme))
+    assert ("benchmarks/gpu/detached_bench.sh", "collect") in calls
+    for script, sub in calls:
+        text = (ROOT / script).read_text()
+        if sub and script.endswith(("install_bundle.sh", "detached_bench.sh")):
+            assert re.search(rf"^  {sub}\)", text, re.M), f"{script} has no '{sub}'"
+        elif sub:                                      # serve_ab.sh: the system
+            assert sub in ("stock", "custom"), (script, sub)
+    acted_on = set(re.findall(r"\bwant ([a-z-]+)", DEVICE_SCRIPT.read_text()))
+    stages = {w for quoted, bare in re.findall(r'STAGES=(?:"([a-z -]+)"|([a-z-]+))', readme)
+              for w in (quoted or bare).split()}
+    assert {"tests", "sanitizer", "bench", "bench-detach"} <= stages
+    assert stages <= acted_on, stages - acted_on
