@@ -15,7 +15,7 @@ import torch
 from vllm_chunkattn.bench import kernel_gpu
 from vllm_chunkattn.bench.cascade_levels import cascade_levels, emulate_cascade
 from vllm_chunkattn.bench.kernel import main as kernel_main
-from vllm_chunkattn.bench.kernel_gpu_report import goal_lines
+from vllm_chunkattn.bench.kernel_gpu_report import goal_lines, overlap_lines
 from vllm_chunkattn.bench.kernel_trees import (LLAMA3_8B, PAPER, SMOKE, AttnShape, TreePoint,
                                                few_shot, paper_grid, rollouts, single_prefix,
                                                smoke_grid, tree_block_table)
@@ -253,6 +253,16 @@ def test_goal_lines_judge_the_worst_point():
     assert "not measured" in lines[4] and "not measured" in lines[5]
 
 
+def test_overlap_lines_set_the_serial_final_launch_beside_the_overlapped_one():
+    rows = [dict(grid="llama8b", point="a", ours_us=100.0, ours_serial_us=130.0),
+            dict(grid="llama8b", point="b", ours_us=100.0, ours_serial_us=95.0),
+            dict(grid="rl", point="c", ours_us=50.0, ours_serial_us=60.0),
+            dict(grid="rl", point="d", ours_us=50.0, ours_serial_us=math.nan)]
+    text = " ".join(overlap_lines(rows))
+    assert "over 3 points: median 1.20, lowest 0.95 (llama8b b), highest 1.30 (llama8b a)" in text
+    assert overlap_lines([dict(grid="smoke", point="x", ours_us=9.0, ours_serial_us=math.nan)]) == []
+
+
 # ---- the runner
 
 def test_smoke_grid_runs_on_cpu(tmp_path):
@@ -263,7 +273,7 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     assert [r["point"] for r in rows] == [p.label for p in smoke_grid()]
     for r in rows:
         assert float(r["ours_us"]) > 0 and float(r["empty_plan_us"]) > 0
-        assert math.isnan(float(r["fi_cascade_us"]))
+        assert math.isnan(float(r["fi_cascade_us"])) and math.isnan(float(r["ours_serial_us"]))
     # The split sweep: ours at each forced chunk-first split count, at its points only.
     swept = {r["point"]: r["split_sweep_us"] for r in rows if r["split_sweep_us"]}
     assert list(swept) == ["b=4 P=64 S=20"]
@@ -311,6 +321,7 @@ def test_smoke_grid_on_cuda_graph_and_chunk_first_profile(tmp_path, monkeypatch)
         assert float(r["ours_vllm_graph_us"]) > 0           # the capacity-padded plan, replayed
         if int(r["nodes"]):
             assert float(r["cf_us"]) > 0, r["notes"]          # the profiler found the launch
+        assert float(r["ours_serial_us"]) > 0                 # the final launch not overlapped
 
 
 # ---- the FlashInfer glue, against a stand-in that computes what FlashInfer's wrappers compute

@@ -110,6 +110,51 @@ def test_forced_splits(ops, splits, spec, forced):
     check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("spec", ["single_prefix", "system_prompts", "batch_17"])
+def test_final_launch_overlapped_or_not(ops, splits, monkeypatch, spec, overlap):
+    """The final launch beside the partial one (CHUNKATTN_OVERLAP_FINAL, default on sm_90+): its
+    CTAs merge the partial slots only once the partial grid is complete. Both launches carry
+    work (split chunks and tails, long nodes), and a race would not show on every call."""
+    monkeypatch.setenv("CHUNKATTN_OVERLAP_FINAL", overlap)
+    b = make_batch(spec, seed=7, num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                   dtype=torch.bfloat16, max_node_blocks=24, max_private_blocks=20)
+    plan = plan_of(b)
+    splits(4, 3)
+    spare = split_spare_slots(plan, b.query.shape[0], 4, 3)
+    for _ in range(5):
+        check(b, plan, *run(ops, b, plan, spare_slots=spare))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90+")
+def test_the_final_launch_starts_before_the_partial_one_ends(ops, monkeypatch):
+    """That the overlap is real, not only allowed: in the profiler's timeline the final kernel
+    starts before the partial kernel ends, and with CHUNKATTN_OVERLAP_FINAL=0 only after it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    b = random_tree_batch(3, fanouts=[1, 32], max_node_blocks=256, max_private_blocks=64,
+                          num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                          dtype=torch.bfloat16, device="cuda")
+    plan = plan_of(b)
+
+    def spans(overlap):
+        monkeypatch.setenv("CHUNKATTN_OVERLAP_FINAL", overlap)
+        run(ops, b, plan, spare_slots=4096)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(ops, b, plan, spare_slots=4096)
+            torch.cuda.synchronize()
+        kernels = {e.name: e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA}
+        part = next(v for k, v in kernels.items() if "tpp_partial_kernel" in k)
+        final = next(v for k, v in kernels.items() if "tpp_final_kernel" in k)
+        return part, final
+    part, final = spans("1")
+    assert final.start < part.end, (part, final)
+    part, final = spans("0")
+    assert final.start >= part.end, (part, final)
+
+
 def test_long_nodes_default_heuristic(ops):
     # One long prefix, few rows: the heuristic splits it across CTAs (when the workspace allows).
     b = random_tree_batch(4, fanouts=[1, 4], max_node_blocks=64, max_private_blocks=40,
@@ -172,10 +217,13 @@ def test_cuda_graph_replay(ops):
     check(b, plan, out, lse)
 
 
-def test_cuda_graph_capacity_mode(ops):
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_cuda_graph_capacity_mode(ops, monkeypatch, overlap):
     # What a vLLM FULL decode graph does (backend.py): capture once on a capacity-mode plan, then
     # each step PlanCache writes the step's tree into the same device buffer and the graph
     # replays it. Three trees, one deeper than the capacity (pruned), rows padded with seq_len 0.
+    # Captured with the final launch overlapped (a programmatic edge in the graph, sm_90+) or not.
+    monkeypatch.setenv("CHUNKATTN_OVERLAP_FINAL", overlap)
     from vllm_chunkattn.ops import TppLaunch, TppWorkspace
     from vllm_chunkattn.plan import PlanCache
     from vllm_chunkattn.plan_capacity import PlanCapacity

@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <utility>
 
@@ -61,6 +62,13 @@ int resident_ctas(int device, bool half, int head_size, cudaStream_t stream) {
     n = sm_count(device) * (per_sm > 0 ? per_sm : 2);
   }
   return n;
+}
+
+// The final launch overlaps the partial one (programmatic dependent launch, sm_90+) unless
+// CHUNKATTN_OVERLAP_FINAL=0 (benchmarks time both; a captured graph keeps what it was captured with).
+bool overlap_final(int device) {
+  const char* v = std::getenv("CHUNKATTN_OVERLAP_FINAL");
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) >= 9 && !(v && v[0] == '0');
 }
 
 // What the device can give a block (head 256 needs more than sm_86/89/120's 99 KB). 0: unknown.
@@ -116,7 +124,8 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
   if (p.num_seqs == 0) return;
 
   const cudaError_t err = with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
-    return launch_tpp_decode<typename decltype(t)::type, decltype(d)::value>(p, stream);
+    return launch_tpp_decode<typename decltype(t)::type, decltype(d)::value>(
+        p, stream, overlap_final(query.get_device()));
   });
   TORCH_CHECK(err == cudaSuccess, "chunkattn::tpp_decode CUDA launch failed: ", cudaGetErrorString(err));
 }

@@ -11,7 +11,9 @@
 //                  slot S_c*P + i*(S_s-1) + s-1.
 //   launch 2, tpp_final_kernel, grid (num_seqs * seq head tiles, num_kv_heads): split 0 of row
 //     i's private tail, then merges the slots of the row's partials and tail splits in registers,
-//     normalises and writes out (and lse).
+//     normalises and writes out (and lse). On sm_90+ launch 2 is a programmatic dependent of
+//     launch 1 (launch_tpp_decode's overlap_final): its CTAs start on the SMs launch 1's last
+//     wave leaves idle, attend their tails, and wait for launch 1's grid before the merge.
 // Slots are rows of the fp32 workspace partial_o/m/l [slots, num_heads(, head_size)]: with one
 // split each, chunk partial j sits at slot j, exactly the plan's partial index.
 //
@@ -346,6 +348,9 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     }
   }
   if (part != 0) return;
+  // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
+  // partial slots are complete and visible only past this point.
+  if constexpr (FINAL) wait_for_primary_grid();
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -426,6 +431,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   Smem<T, D> sm(smem_raw, kMaxRows);
+  launch_dependents();  // the final launch may take the SMs this grid leaves idle from now on
   const int kv_head = blockIdx.y;
   const int num_chunk_ctas = p.chunk_splits * p.num_windows * p.chunk_head_tiles;
   if (int(blockIdx.x) < num_chunk_ctas) {
@@ -508,8 +514,11 @@ inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
 }
 
 #ifndef CHUNKATTN_SIMT_EMULATION
+// overlap_final (sm_90+): the final launch is a programmatic dependent of the partial one, so
+// its CTAs take the SMs the partial launch's last wave leaves idle and attend their private tails
+// meanwhile; they wait for the partial grid before merging its slots (wait_for_primary_grid).
 template <typename T, int D>
-cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream) {
+cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool overlap_final) {
   const TppLaunchShape shape = tpp_launch_shape<D>(p);
   // Opting in to > 48 KB of dynamic smem is a host-side attribute of the current context, not a
   // stream op (allowed while a graph is captured): set on every launch, so a new context (after
@@ -527,8 +536,17 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
   }
   if (shape.final_grid_x > 0) {
-    tpp_final_kernel<T, D><<<dim3(shape.final_grid_x, p.num_kv_heads), kThreads, shape.final_smem, stream>>>(p);
-    return cudaGetLastError();
+    cudaLaunchAttribute overlap[1] = {};
+    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(shape.final_grid_x, p.num_kv_heads);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = shape.final_smem;
+    cfg.stream = stream;
+    cfg.attrs = overlap;
+    cfg.numAttrs = overlap_final && shape.partial_grid_x > 0 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, tpp_final_kernel<T, D>, p);
   }
   return cudaSuccess;
 }
@@ -552,7 +570,7 @@ int tpp_partial_ctas_per_sm() {
 #ifndef CHUNKATTN_INSTANTIATE
 // Instantiated in tpp_kernels_{fp16,bf16}.cu so the two dtypes compile in parallel.
 #define CHUNKATTN_EXTERN(T, D)                                                              \
-  extern template cudaError_t launch_tpp_decode<T, D>(const TppParams&, cudaStream_t); \
+  extern template cudaError_t launch_tpp_decode<T, D>(const TppParams&, cudaStream_t, bool); \
   extern template int tpp_partial_ctas_per_sm<T, D>();
 CHUNKATTN_EXTERN(__half, 64)
 CHUNKATTN_EXTERN(__half, 128)

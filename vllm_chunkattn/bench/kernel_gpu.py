@@ -22,7 +22,9 @@ reported as a mismatch and not timed. If ours disagrees, the run exits 1.
 Timing: kernel.Timer (L2 flushed before every repeat, CUDA events, median). The HBM bandwidth
 and the fp16 / bf16 GEMM peaks are measured once at the start (roofline.py). The chunk-first
 phase alone is timed with the torch profiler: the kernel time of tpp_partial_kernel with
-CHUNKATTN_SEQ_SPLITS=1, which leaves that launch only the chunk-first CTAs. --grid smoke
+CHUNKATTN_SEQ_SPLITS=1, which leaves that launch only the chunk-first CTAs. On sm_90+ the op's
+final launch overlaps its partial launch (programmatic dependent launch); "ours_serial" times
+ours with CHUNKATTN_OVERLAP_FINAL=0, the final launch after the partial one, as on sm_80. --grid smoke
 also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be tested anywhere.
 """
 from __future__ import annotations
@@ -80,8 +82,9 @@ def cuda_graph(fn):
 
 
 @contextlib.contextmanager
-def forced_splits(name: str, value: int):
-    """CHUNKATTN_{CHUNK,SEQ}_SPLITS set for the block: the op reads them on every eager call."""
+def op_env(name: str, value: int):
+    """CHUNKATTN_{CHUNK,SEQ}_SPLITS or CHUNKATTN_OVERLAP_FINAL set for the block: the op reads
+    them on every eager call."""
     saved = os.environ.get(name)
     os.environ[name] = str(value)
     try:
@@ -98,7 +101,7 @@ def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     try:
-        with forced_splits("CHUNKATTN_SEQ_SPLITS", 1):
+        with op_env("CHUNKATTN_SEQ_SPLITS", 1):
             fn()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(reps):
@@ -119,7 +122,7 @@ def split_sweep(bt, plan, timer: Timer, reps: int) -> str:
     fn = ours(bt, plan, TppWorkspace(spare_rows_per_partial=max(SWEEP_SPLITS)))
     timed = []
     for splits in SWEEP_SPLITS:
-        with forced_splits("CHUNKATTN_CHUNK_SPLITS", splits):
+        with op_env("CHUNKATTN_CHUNK_SPLITS", splits):
             timed.append(f"{splits}: {timer(fn, reps) * 1e3:.1f}")
     return "; ".join(timed)
 
@@ -244,6 +247,10 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     elif flops:
         why = "chunk-first kernel time: CUDA only"
     row["cf_us"] = round(cf_us, 1)
+    row["ours_serial_us"] = math.nan                 # the final launch after the partial one
+    if device.type == "cuda" and "ours" in fns:
+        with op_env("CHUNKATTN_OVERLAP_FINAL", 0):
+            row["ours_serial_us"] = round(timer(fns["ours"], args.reps) * 1e3, 1)
     row["cf_TFLOPs"] = round(flops / (cf_us * 1e-6) / 1e12, 1)
     row["cf_pct_peak"] = round(100 * row["cf_TFLOPs"] / ceilings[f"gemm_TFLOPs_{shape.dtype}"], 1)
     notes = [f"{k}: {v}" for k, v in missing.items()
