@@ -127,7 +127,8 @@ def test_the_launch_table_covers_the_gpu_grid(emu, capsys, monkeypatch):
     import sys
 
     from vllm_chunkattn.bench.kernel_trees import grid_points
-    monkeypatch.setattr(sys, "argv", ["launch_waves.py"])
+    from conftest import SIMT_CSRC            # the library emu loaded: a second one would abort
+    monkeypatch.setattr(sys, "argv", ["launch_waves.py", "--csrc", str(SIMT_CSRC)])
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks/gpu/launch_waves.py"),
                    run_name="__main__")
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()

@@ -1,6 +1,7 @@
 """Do tests/test_cuda_host.py and tests/test_cuda_simt_emulation.py catch a broken CUDA kernel?
 Each mutation below is a bug of a kind that kernel work makes (a fragment layout, a missing wait
-or barrier, a mask, the smem size, the work decomposition and its KV splits in the host code);
+or barrier, a mask, the smem size, the grid dependency of the overlapped final launch, the work
+decomposition and its KV splits in the host code);
 each is applied to a copy of csrc/, and those tests run against that copy (-x: stop at the first
 failure). A mutation the tests do not catch is printed as MISSED and the exit status is 1.
 
@@ -50,6 +51,8 @@ MUTATIONS = [
      "    __syncthreads();\n    if (part == 0) {", "    if (part == 0) {"),
     ("token mask off by one",
      "const bool valid = tok0 + nb * 8 + (e & 1) < t_end;", "const bool valid = tok0 + nb * 8 + (e & 1) <= t_end;"),
+    ("the final kernel merges the partial slots without waiting for the partial grid",
+     "  if constexpr (FINAL) wait_for_primary_grid();\n", ""),
 ]
 # The same, in csrc/cuda/tpp_host.h.
 HOST_MUTATIONS = [

@@ -28,8 +28,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--resident", type=int, default=132 * 2,
                    help="partial-kernel CTAs the device runs at once (SMs x CTAs per SM)")
+    p.add_argument("--csrc", type=Path, default=ROOT / "csrc",
+                   help="the sources to build the emulation from (tests: the copy they test)")
     args = p.parse_args()
-    load_simt_emulation(ROOT / "csrc")
+    load_simt_emulation(args.csrc)
     print(f"resident CTAs: {args.resident}\n")
     print("| grid | point | chunk splits | tail splits | partial CTAs | waves | final CTAs |")
     print("|---|---|---|---|---|---|---|")

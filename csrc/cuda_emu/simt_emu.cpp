@@ -60,6 +60,7 @@ struct Launch {
   ucontext_t scheduler_start;
   int current = 0;
   int smem_bytes = 0;
+  bool primary_grid_done = false;  // this CTA has waited for the primary grid
   LaunchOptions options;
   const std::function<void()>* kernel = nullptr;
   const std::vector<GlobalRange>* globals = nullptr;
@@ -116,6 +117,8 @@ void run_cta(std::mt19937& rng) {
   }
   std::memset(chunkattn::smem_raw, kNanByte, g->smem_bytes);
   std::memset(chunkattn::smem_raw + g->smem_bytes, kGuardByte, kSharedGuard);
+  g->primary_grid_done = false;
+  if (g->options.before_cta) g->options.before_cta();
   const int warps = n / 32;
   std::vector<int> order(n);
   for (int t = 0; t < n; ++t) order[t] = t;
@@ -250,6 +253,11 @@ void cp_async_wait(int pending) {
     for (const PendingCopy& c : f.committed.front()) std::memcpy(c.dst, c.data, 16);
     f.committed.pop_front();
   }
+}
+
+void wait_for_primary_grid() {
+  if (!g->primary_grid_done && g->options.primary_grid_done) g->options.primary_grid_done();
+  g->primary_grid_done = true;
 }
 
 void launch(int grid_x, int grid_y, int threads, int smem_bytes, const std::function<void()>& kernel,

@@ -8,7 +8,9 @@
 // GPU where it is cheap to be: cp.async data lands only at the cp.async.wait_group that must
 // cover it; shared memory starts as NaN bytes; every ldmatrix / cp.async address is checked
 // against the launch's shared memory and the call's tensors; a warp instruction reached by only
-// part of a warp, or __syncthreads after threads exited, is an error.
+// part of a warp, or __syncthreads after threads exited, is an error; a dependent launch's CTA
+// (the op's final kernel, which may overlap the partial one on a GPU) finds the partial slots NaN
+// until it waits for the primary grid (tpp_decode_emulated.cpp).
 // Included by tpp_kernels.cuh in place of the CUDA headers when CHUNKATTN_SIMT_EMULATION is set.
 #pragma once
 
@@ -56,7 +58,11 @@ struct GlobalRange {  // the bytes of one tensor of the call
 struct LaunchOptions {
   unsigned seed = 0;                     // of the random CTA order, thread order and warp drift
   bool cp_async_lands_at_issue = false;  // the other legal extreme: data in smem at once
+  // A programmatic dependent launch (griddepcontrol): before_cta runs as each CTA starts, and
+  // primary_grid_done the first time one of its threads waits for the primary grid.
+  std::function<void()> before_cta, primary_grid_done;
 };
+void wait_for_primary_grid();  // griddepcontrol.wait of the thread running now
 // Runs kernel() as grid_x x grid_y CTAs of `threads` threads with `smem_bytes` of dynamic shared
 // memory; throws std::runtime_error naming the CTA and thread on the first error.
 void launch(int grid_x, int grid_y, int threads, int smem_bytes, const std::function<void()>& kernel,
@@ -119,9 +125,10 @@ extern char smem_raw[];  // the dynamic shared memory of the CTA running now
 
 inline void cp_async_16(void* dst, const void* src, int src_bytes) { simt::cp_async(dst, src, src_bytes); }
 inline void cp_async_commit() { simt::cp_async_commit(); }
-// The emulation runs the final launch after the partial one has ended: nothing to overlap.
+// The emulation runs the final launch after the partial one has ended; what it checks is that a
+// final CTA reads the partial slots only after it waited (LaunchOptions::primary_grid_done).
 inline void launch_dependents() {}
-inline void wait_for_primary_grid() {}
+inline void wait_for_primary_grid() { simt::wait_for_primary_grid(); }
 template <int N>
 inline void cp_async_wait() {
   simt::cp_async_wait(N);

@@ -8,6 +8,7 @@
 #define CHUNKATTN_SIMT_EMULATION
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -23,15 +24,32 @@ simt::GlobalRange bytes_of(const at::Tensor& t) {
   return {t.data_ptr(), t.numel() == 0 ? 0 : (last + 1) * int64_t(t.element_size())};
 }
 
+// The final launch as the GPU may run it beside the partial one (overlap_final): each final CTA
+// finds the workspace's slots NaN until it waits for the partial grid, then their real values.
+// `workspace`: the byte ranges of partial_o / m / l.
 template <typename T, int D>
-void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, const simt::LaunchOptions& o) {
+void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, const simt::LaunchOptions& o,
+             const std::vector<simt::GlobalRange>& workspace) {
   const TppLaunchShape shape = tpp_launch_shape<D>(p);
   if (shape.partial_grid_x > 0)
     simt::launch(shape.partial_grid_x, p.num_kv_heads, kThreads, shape.partial_smem,
                  [&p] { tpp_partial_kernel<T, D>(p); }, globals, o);
-  if (shape.final_grid_x > 0)
+  if (shape.final_grid_x > 0) {
+    std::vector<std::vector<char>> written;
+    for (const simt::GlobalRange& r : workspace)
+      written.emplace_back(static_cast<const char*>(r.begin), static_cast<const char*>(r.begin) + r.bytes);
+    simt::LaunchOptions dependent = o;
+    dependent.before_cta = [&] {
+      for (const simt::GlobalRange& r : workspace) std::memset(const_cast<void*>(r.begin), 0xff, r.bytes);  // NaN
+    };
+    dependent.primary_grid_done = [&] {
+      for (size_t i = 0; i < workspace.size(); ++i)
+        std::memcpy(const_cast<void*>(workspace[i].begin), written[i].data(), workspace[i].bytes);
+    };
     simt::launch(shape.final_grid_x, p.num_kv_heads, kThreads, shape.final_smem, [&p] { tpp_final_kernel<T, D>(p); },
-                 globals, o);
+                 globals, dependent);
+    dependent.primary_grid_done();  // the workspace as the partial launch left it
+  }
 }
 
 void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -66,7 +84,8 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   o.cp_async_lands_at_issue = cp_async_lands_at_issue;
   const bool half = query.scalar_type() == at::kHalf;
   with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
-    emulate<typename decltype(t)::type, decltype(d)::value>(p, globals, o);
+    emulate<typename decltype(t)::type, decltype(d)::value>(p, globals, o,
+                                                            {bytes_of(partial_o), bytes_of(partial_m), bytes_of(partial_l)});
   });
 }
 
