@@ -567,18 +567,18 @@ int tpp_partial_ctas_per_sm() {
   return n;
 }
 
+// One dtype's instantiations: PREFIX empty in tpp_kernels_{fp16,bf16}.cu (one file per dtype so
+// the two compile in parallel), `extern` for every other includer; the signatures live here only.
+#define CHUNKATTN_TPP_INSTANCES(PREFIX, T)                                                        \
+  PREFIX template cudaError_t launch_tpp_decode<T, 64>(const TppParams&, cudaStream_t, bool);  \
+  PREFIX template cudaError_t launch_tpp_decode<T, 128>(const TppParams&, cudaStream_t, bool); \
+  PREFIX template cudaError_t launch_tpp_decode<T, 256>(const TppParams&, cudaStream_t, bool); \
+  PREFIX template int tpp_partial_ctas_per_sm<T, 64>();                                         \
+  PREFIX template int tpp_partial_ctas_per_sm<T, 128>();                                        \
+  PREFIX template int tpp_partial_ctas_per_sm<T, 256>();
 #ifndef CHUNKATTN_INSTANTIATE
-// Instantiated in tpp_kernels_{fp16,bf16}.cu so the two dtypes compile in parallel.
-#define CHUNKATTN_EXTERN(T, D)                                                              \
-  extern template cudaError_t launch_tpp_decode<T, D>(const TppParams&, cudaStream_t, bool); \
-  extern template int tpp_partial_ctas_per_sm<T, D>();
-CHUNKATTN_EXTERN(__half, 64)
-CHUNKATTN_EXTERN(__half, 128)
-CHUNKATTN_EXTERN(__half, 256)
-CHUNKATTN_EXTERN(__nv_bfloat16, 64)
-CHUNKATTN_EXTERN(__nv_bfloat16, 128)
-CHUNKATTN_EXTERN(__nv_bfloat16, 256)
-#undef CHUNKATTN_EXTERN
+CHUNKATTN_TPP_INSTANCES(extern, __half)
+CHUNKATTN_TPP_INSTANCES(extern, __nv_bfloat16)
 #endif
 #endif  // CHUNKATTN_SIMT_EMULATION
 

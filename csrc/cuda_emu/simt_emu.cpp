@@ -60,7 +60,7 @@ struct Launch {
   ucontext_t scheduler_start;
   int current = 0;
   int smem_bytes = 0;
-  bool primary_grid_done = false;  // this CTA has waited for the primary grid
+  bool waited_for_primary_grid = false;  // by a thread of this CTA
   LaunchOptions options;
   const std::function<void()>* kernel = nullptr;
   const std::vector<GlobalRange>* globals = nullptr;
@@ -117,7 +117,7 @@ void run_cta(std::mt19937& rng) {
   }
   std::memset(chunkattn::smem_raw, kNanByte, g->smem_bytes);
   std::memset(chunkattn::smem_raw + g->smem_bytes, kGuardByte, kSharedGuard);
-  g->primary_grid_done = false;
+  g->waited_for_primary_grid = false;
   if (g->options.before_cta) g->options.before_cta();
   const int warps = n / 32;
   std::vector<int> order(n);
@@ -256,8 +256,8 @@ void cp_async_wait(int pending) {
 }
 
 void wait_for_primary_grid() {
-  if (!g->primary_grid_done && g->options.primary_grid_done) g->options.primary_grid_done();
-  g->primary_grid_done = true;
+  if (!g->waited_for_primary_grid && g->options.primary_grid_done) g->options.primary_grid_done();
+  g->waited_for_primary_grid = true;
 }
 
 void launch(int grid_x, int grid_y, int threads, int smem_bytes, const std::function<void()>& kernel,
