@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 
 import numpy as np
 import pytest
@@ -300,6 +301,24 @@ def test_a_wrong_contender_is_not_timed_and_wrong_ours_fails_the_run(tmp_path, m
         rows = list(csv.DictReader(f))
     assert all(math.isnan(float(r["sdpa_us"])) and "sdpa: mismatch" in r["notes"] for r in rows)
     assert all(math.isnan(float(r["ours_us"])) for r in rows)
+
+
+def test_a_wrong_split_variant_fails_the_run(tmp_path, monkeypatch):
+    """The swept variants are our op too: checked against the reference before the rounds."""
+    def wrong_at_seven_splits(make):
+        def contender(*a, **kw):
+            fn = make(*a, **kw)
+            return lambda: fn() + float(os.environ.get("CHUNKATTN_CHUNK_SPLITS") == "7")
+        return contender
+    monkeypatch.delenv("CHUNKATTN_CHUNK_SPLITS", raising=False)
+    monkeypatch.setattr(kernel_gpu, "ours", wrong_at_seven_splits(kernel_gpu.ours))
+    args = ["--device", "cpu", "--grid", "smoke", "--reps", "1", "--out", str(tmp_path)]
+    assert kernel_main(args) == 1
+    with open(tmp_path / "kernel_cpu_smoke.csv") as f:
+        rows = {r["point"]: r for r in csv.DictReader(f)}
+    assert "splits_7: mismatch" in rows["b=4 P=64 S=20"]["notes"]
+    assert rows["b=4 P=64 S=20"]["ours_ok"] == "False"
+    assert all(r["ours_ok"] == "True" for p, r in rows.items() if p != "b=4 P=64 S=20")
 
 
 def test_gpu_grids_refuse_the_cpu():

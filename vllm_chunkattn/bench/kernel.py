@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from ..kv_layout import alloc_kv_cache, kv_cache_views
 from ..ops import TppLaunch, TppWorkspace
 from ..plan import PlanCache, build_plan, empty_plan
 from . import provenance
+from .timing import Timer
 
 FULL = dict(n_p=(1024, 2048, 4096), share=(0, 0.5, 1), b=(8, 32, 64), heads=((32, 8), (32, 32)),
             block=(16, 64))
@@ -197,38 +196,6 @@ def error_reason(e: Exception, limit: int) -> str:
 
 # ---- timing
 
-class Timer:
-    """Median milliseconds of fn after one warm-up. CUDA: events, with L2 flushed before each
-    repeat (a 256 MB write) so every contender reads KV from HBM as in a real step."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-
-    def __call__(self, fn, reps: int, budget_s: float = 2.0, warmup: bool = True) -> float:
-        if warmup:
-            fn()
-        times = []
-        start = time.perf_counter()
-        for _ in range(reps):
-            if self.cuda:
-                self.flush.zero_()
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            if len(times) >= 3 and time.perf_counter() - start > budget_s:
-                break
-        return statistics.median(times)
-
-
 def attention_flops(bt: Batch) -> float:
     num_heads, head_size = bt.query.shape[1:]
     return 4.0 * num_heads * head_size * float(bt.seq_lens.sum())
@@ -282,11 +249,14 @@ def run_grid(args) -> list[dict]:
             row = dict(device=device.type, n_p=n_p, n_s=n_s, b=b, heads=f"{hq}/{hkv}",
                        head_size=args.head_size, block=block, dtype=args.dtype,
                        baseline_isa=isa, plan_ms=round(plan_ms, 3))
-            for name, fn in contenders.items():
-                naive_cpu = name == "sdpa_per_seq" and device.type == "cpu"
-                # naive CPU: seconds a call, already warmed by the check above; one repeat
-                row[f"{name}_ms"] = round(timer(fn, 1 if naive_cpu else args.reps,
-                                                warmup=not naive_cpu), 3)
+            # naive CPU SDPA: seconds a call, already warmed by the check above; one repeat,
+            # after the others, which are timed side by side (ABBA)
+            naive = contenders.pop("sdpa_per_seq") if device.type == "cpu" and \
+                "sdpa_per_seq" in contenders else None
+            for name, ms in timer.side_by_side(contenders, args.reps).items():
+                row[f"{name}_ms"] = round(ms, 3)
+            if naive is not None:
+                row["sdpa_per_seq_ms"] = round(timer(naive, 1, warmup=False), 3)
             row.setdefault("sdpa_per_seq_ms", float("nan"))
             row["ours_vs_" + base_name] = round(row[f"{base_name}_ms"] / row["ours_ms"], 2)
             # The plan is built once per step for all layers: its share of one layer's call.
@@ -316,7 +286,9 @@ def write_results(rows, args, out_dir: Path, command: str):
     lines = [f"# TPP decode kernel vs {base} ({args.device})", "",
              f"Command: `{command}`", "", f"Machine: {machine()}", "",
              f"One layer, one decode step, {args.dtype}, head_size {args.head_size}; times are "
-             f"medians in ms after a warm-up; speed-up = baseline / ours. Every sequence holds "
+             f"medians in ms after a warm-up, the contenders timed side by side in rounds whose "
+             f"order reverses every round (ABBA; per-sequence SDPA on CPU: one call, after "
+             f"them); speed-up = baseline / ours. Every sequence holds "
              f"n_p prompt tokens + 1; the first n_s are shared by all b sequences. Outputs were "
              f"checked equal (atol = rtol = {args.tol}) before timing.", "",
              f"- baseline_isa: the CPU_ATTN ISA vLLM picks itself on this machine and block size "

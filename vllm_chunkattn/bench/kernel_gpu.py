@@ -19,19 +19,20 @@ tests/test_ops_cuda.py::test_cuda_graph_replay does.
 Every output is checked against the fp32 per-sequence reference (tpp_decode_reference with the
 empty plan: it knows nothing of the tree) before anything is timed. A contender that disagrees is
 reported as a mismatch and not timed. If ours disagrees, the run exits 1.
-Timing: kernel.Timer (L2 flushed before every repeat, CUDA events, median). The HBM bandwidth
+Timing: timing.Timer.side_by_side (L2 flushed before every repeat, CUDA events, median; every
+contender of a point timed in rounds whose order reverses every round, ABBA). The HBM bandwidth
 and the fp16 / bf16 GEMM peaks are measured once at the start (roofline.py). The chunk-first
 phase alone is timed with the torch profiler: the kernel time of tpp_partial_kernel with
 CHUNKATTN_SEQ_SPLITS=1, which leaves that launch only the chunk-first CTAs. On sm_90+ the op's
 final launch overlaps its partial launch (programmatic dependent launch); "ours_serial" times
-ours with CHUNKATTN_OVERLAP_FINAL=0, the final launch after the partial one, as on sm_80. --grid smoke
+ours with CHUNKATTN_OVERLAP_FINAL=0, the final launch after the partial one, as on sm_80; at the
+SPLIT_SWEEP_POINTS ours is also timed at each forced chunk-first split count. These variants are
+checked against the reference and timed in the same ABBA rounds as the contenders. --grid smoke
 also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be tested anywhere.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import statistics
 import time
 
@@ -44,12 +45,13 @@ from ..plan_capacity import PlanCapacity
 from . import provenance
 from .cascade_levels import cascade_levels
 from .flashinfer_baselines import batch_decode, flashinfer_version, multi_level_cascade
-from .kernel import KvPool, Timer, error_reason, ours, sdpa_per_sequence
+from .kernel import KvPool, error_reason, ours, sdpa_per_sequence
 from .kernel_gpu_report import write_report
 from .kernel_trees import ALL_GPU, GRIDS, describe, pool_blocks, tree_block_table
 from .roofline import (chunk_first_flops, chunk_first_rows, copy_bytes, gemm_size,
                        kv_bytes_per_token, measure_gemm_tflops, measure_hbm_bandwidth, roofline_us,
                        unique_kv_tokens)
+from .timing import Timer, Variant, op_env
 
 SDPA_MAX_ROWS = 32        # one SDPA call per row: past this it only adds minutes
 CONTENDERS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan", "fi_decode",
@@ -81,27 +83,12 @@ def cuda_graph(fn):
     return replay
 
 
-@contextlib.contextmanager
-def op_env(name: str, value: int):
-    """CHUNKATTN_{CHUNK,SEQ}_SPLITS or CHUNKATTN_OVERLAP_FINAL set for the block: the op reads
-    them on every eager call."""
-    saved = os.environ.get(name)
-    os.environ[name] = str(value)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
 def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
     """Median kernel time of the chunk-first launch in µs, or (nan, why not)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     try:
-        with op_env("CHUNKATTN_SEQ_SPLITS", 1):
+        with op_env({"CHUNKATTN_SEQ_SPLITS": 1}):
             fn()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(reps):
@@ -117,14 +104,18 @@ def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
     return statistics.median(times), ""
 
 
-def split_sweep(bt, plan, timer: Timer, reps: int) -> str:
-    """'<splits>: <µs>' of our op (eager) at each of SWEEP_SPLITS chunk-first KV splits."""
-    fn = ours(bt, plan, TppWorkspace(spare_rows_per_partial=max(SWEEP_SPLITS)))
-    timed = []
-    for splits in SWEEP_SPLITS:
-        with op_env("CHUNKATTN_CHUNK_SPLITS", splits):
-            timed.append(f"{splits}: {timer(fn, reps) * 1e3:.1f}")
-    return "; ".join(timed)
+def variants_of_ours(bt, plan, fns: dict, sweep: bool) -> dict:
+    """Our op under knobs, timed side by side with the contenders: "ours_serial" (CUDA: the
+    final launch after the partial one) and, at a sweep point, "splits_<k>" for each of
+    SWEEP_SPLITS chunk-first KV splits, in a workspace with room for the most."""
+    variants = {}
+    if "ours" in fns and bt.query.device.type == "cuda":
+        variants["ours_serial"] = Variant(fns["ours"], {"CHUNKATTN_OVERLAP_FINAL": 0})
+    if sweep and plan.num_nodes and "ours" in fns:
+        fn = ours(bt, plan, TppWorkspace(spare_rows_per_partial=max(SWEEP_SPLITS)))
+        variants.update({f"splits_{k}": Variant(fn, {"CHUNKATTN_CHUNK_SPLITS": k})
+                         for k in SWEEP_SPLITS})
+    return variants
 
 
 def _is_build_failure(e: Exception) -> bool:
@@ -201,6 +192,10 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     plan = build_plan(table, lens, bs)
     levels = cascade_levels(plan, table, lens, bs)
     fns, missing = make_contenders(bt, plan, levels, bs, device, fi_why, fi_broken)
+    variants = variants_of_ours(bt, plan, fns,
+                                sweep=(point.grid, point.label) in SPLIT_SWEEP_POINTS)
+    fns.update(variants)
+    ours_names = set(OURS) | set(variants)
     expect = tpp_decode_reference(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
                                   bt.seq_lens, empty_plan(point.num_rows), bt.scale).float()
     ours_ok = True
@@ -208,7 +203,7 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
         try:
             got = fns[name]().float()
         except Exception as e:
-            if name in OURS:
+            if name in ours_names:
                 raise
             missing[name] = f"failed: {type(e).__name__}: {str(e).strip()[:120]}"
             del fns[name]
@@ -220,14 +215,14 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
             missing[name] = f"mismatch vs the reference: max abs err {err:.3g}"
             if name == "fi_cascade" and levels.num_empty_groups:
                 missing[name] += f" ({levels.num_empty_groups} empty groups padding the levels)"
-            ours_ok &= name not in OURS
+            ours_ok &= name not in ours_names
             del fns[name]
     row = dict(grid=point.grid, point=point.label, shape=str(shape), rows=point.num_rows,
                nodes=plan.num_nodes, levels=levels.num_levels,
                empty_groups=levels.num_empty_groups, tree=describe(point))
-    for name in CONTENDERS:
-        row[f"{name}_us"] = (round(timer(fns[name], args.reps) * 1e3, 1) if name in fns
-                             else math.nan)
+    timed = timer.side_by_side(fns, args.reps)  # every contender and variant, ABBA
+    for name in CONTENDERS + ("ours_serial",):
+        row[f"{name}_us"] = round(timed[name] * 1e3, 1) if name in timed else math.nan
     dtype = getattr(torch, shape.dtype)
     unique_bytes = unique_kv_tokens(table, lens, bs) * kv_bytes_per_token(
         shape.num_kv_heads, shape.head_size, dtype)
@@ -247,17 +242,12 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     elif flops:
         why = "chunk-first kernel time: CUDA only"
     row["cf_us"] = round(cf_us, 1)
-    row["ours_serial_us"] = math.nan                 # the final launch after the partial one
-    if device.type == "cuda" and "ours" in fns:
-        with op_env("CHUNKATTN_OVERLAP_FINAL", 0):
-            row["ours_serial_us"] = round(timer(fns["ours"], args.reps) * 1e3, 1)
     row["cf_TFLOPs"] = round(flops / (cf_us * 1e-6) / 1e12, 1)
     row["cf_pct_peak"] = round(100 * row["cf_TFLOPs"] / ceilings[f"gemm_TFLOPs_{shape.dtype}"], 1)
     notes = [f"{k}: {v}" for k, v in missing.items()
              if not v.startswith(("CUDA only", "not timed"))]
-    row["split_sweep_us"] = (split_sweep(bt, plan, timer, args.reps)
-                             if (point.grid, point.label) in SPLIT_SWEEP_POINTS
-                             and plan.num_nodes and "ours" in fns else "")
+    row["split_sweep_us"] = "; ".join(f"{k}: {timed[f'splits_{k}'] * 1e3:.1f}"
+                                      for k in SWEEP_SPLITS if f"splits_{k}" in timed)
     row["notes"] = "; ".join(notes + ([why] if why and flops else []))
     row["ours_ok"] = ours_ok
     return row

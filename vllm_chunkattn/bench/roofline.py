@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..plan import TppPlan
-from .kernel import Timer
+from .timing import Timer
 
 
 def unique_kv_tokens(block_table, seq_lens, block_size: int) -> int:

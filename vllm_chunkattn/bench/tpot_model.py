@@ -30,10 +30,11 @@ import torch
 from ..model_shapes import SHAPES, attention_shape
 from ..plan import build_plan, empty_plan
 from . import provenance
-from .kernel import (KvPool, Timer, cpu_attn, flashinfer_decode, host_ms, machine, markdown_table,
+from .kernel import (KvPool, cpu_attn, flashinfer_decode, host_ms, machine, markdown_table,
                      ours, plan_step, vllm_cpu_isa)
 from .linear_layers import (LayerWeights, decoder_layer_without_attention, layer_flops, lm_head,
                             lm_head_weight)
+from .timing import Timer
 
 # The GPU points: 2-4K shared of a 4096-token prompt (0: the no-sharing control), plus a
 # private tail per sequence.
@@ -119,8 +120,9 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[d
         if isa != "amx":      # AMX packs K in tiles: same bytes, another layout, not comparable
             torch.testing.assert_close(custom().float(), stock().float(), atol=args.tol,
                                        rtol=args.tol)
-        parts = dict(stock_attention_ms=timer(stock, args.reps),
-                     custom_attention_ms=timer(custom, args.reps),
+        attention = timer.side_by_side({"stock": stock, "custom": custom}, args.reps)
+        parts = dict(stock_attention_ms=attention["stock"],
+                     custom_attention_ms=attention["custom"],
                      linear_ms=linear_ms[p.batch], head_ms=head_ms[p.batch],
                      plan_ms=host_ms(plan_step(bt, args.block), args.reps))
         row = dict(**asdict(p), layers=layers, dtype=args.dtype, block=args.block,
@@ -171,6 +173,7 @@ def write_results(rows: list[dict], args, command: str) -> Path:
     gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     timing = ("CUDA events after a warm-up, L2 flushed before each repeat"
               if args.device == "cuda" else "wall clock after a warm-up")
+    timing += "; the two attentions timed side by side, the order reversed every round (ABBA)"
     lines = [f"# Decode TPOT predicted from measured parts: stock vs CUSTOM ({args.device})", "",
              f"Command: `{command}`", "",
              f"Machine: {machine()}{gpu}; {provenance.native_build()}", "",
