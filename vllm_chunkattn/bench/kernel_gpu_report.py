@@ -148,7 +148,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "## Method", "",
              f"One layer, one decode step. Times are µs, the median of up to {meta['reps']} "
              "repeats after a warm-up, each timed with CUDA events after a 256 MB write that "
-             "flushes L2 (on a CPU, smoke only: wall clock). `ours` is our op as a layer calls "
+             "flushes L2 (on a CPU, smoke only: wall clock). Every contender of a point, and "
+             "ours under each knob below, is timed side by side with the others in 4 rounds "
+             "whose order reverses every round (ABBA), so a ratio does not also measure the "
+             "device drifting between two contenders' turns. `ours` is our op as a layer calls "
              "it (TppLaunch built beforehand). "
              "`ours graph` replays the same call from a CUDA graph. `ours vLLM graph` replays "
              "it as vLLM's FULL decode graphs run it: the plan padded to the batch size's "
