@@ -262,6 +262,8 @@ def test_overlap_lines_set_the_serial_final_launch_beside_the_overlapped_one():
     text = " ".join(overlap_lines(rows))
     assert "over 3 points: median 1.20, lowest 0.95 (llama8b b), highest 1.30 (llama8b a)" in text
     assert overlap_lines([dict(grid="smoke", point="x", ours_us=9.0, ours_serial_us=math.nan)]) == []
+    assert "measure nothing" not in text
+    assert "CHUNKATTN_OVERLAP_FINAL=0 in its environment" in " ".join(overlap_lines(rows, "0"))
 
 
 # ---- the runner

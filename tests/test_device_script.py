@@ -243,3 +243,94 @@ def test_the_session_plan_names_only_what_the_scripts_do():
               for w in (quoted or bare).split()}
     assert {"tests", "sanitizer", "bench", "bench-detach"} <= stages
     assert stages <= acted_on, stages - acted_on
+
+
+# ---- the overlapped final launch wrong on the GPU: the tests call turns it off for the session
+
+def _fake_pytest_python(path: Path, record: Path, main_failures: list[str], rerun_rc: int) -> Path:
+    """A stand-in python: pytest writes junit XML (the main GPU run fails main_failures, the rerun
+    exits rerun_rc) and records its marker expression, node ids and CHUNKATTN_OVERLAP_FINAL; the
+    bench records the knob; junit.py runs for real; everything else 'passes'."""
+    import sys
+    path.write_text(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+if args and args[0].endswith("junit.py"):
+    os.execv({sys.executable!r}, [{sys.executable!r}] + args)
+if args == ["-"]:
+    sys.stdin.read()
+knob = os.environ.get("CHUNKATTN_OVERLAP_FINAL")
+with open({str(record)!r}, "a") as rec:
+    if args[:2] == ["-m", "pytest"]:
+        marks = args[args.index("-m", 2) + 1] if "-m" in args[2:] else ""    # host tests: none
+        ids = [a for a in args if "::" in a]
+        rec.write(json.dumps(dict(pytest=marks, ids=ids, knob=knob)) + "\\n")
+        failing = {main_failures!r} if marks == "gpu and not timeline" else []
+        rc = {rerun_rc} if ids else (1 if failing else 0)
+        cases = "".join(
+            f'<testcase classname="tests.test_ops_cuda" name="{{n.split("::")[1]}}">'
+            + ('<failure message="x"/>' if n in failing else "") + "</testcase>"
+            for n in failing + ["tests/test_ops_cuda.py::test_fine"])
+        xml = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
+        with open(xml, "w") as f:
+            f.write(f'<testsuites><testsuite tests="{{len(failing) + 1}}" failures="{{len(failing)}}" '
+                    f'errors="0" skipped="0">{{cases}}</testsuite></testsuites>')
+        sys.exit(rc)
+    if "vllm_chunkattn.bench" in args:
+        rec.write(json.dumps(dict(bench=" ".join(args[2:4]), knob=knob)) + "\\n")
+""")
+    path.chmod(0o755)
+    return path
+
+
+OVERLAP_BROKE = ["tests/test_ops_cuda.py::test_final_launch_overlapped_or_not[batch_17-overlap_on]",
+                 "tests/test_ops_cuda.py::test_tree_specs[batch_17-dtype0]"]
+
+
+def _records(record: Path) -> list[dict]:
+    import json
+    return [json.loads(x) for x in record.read_text().splitlines()]
+
+
+def test_failures_the_serial_final_launch_fixes_turn_the_overlap_off_for_the_session(tmp_path):
+    record = tmp_path / "record"
+    fake_py = _fake_pytest_python(tmp_path / "python", record, OVERLAP_BROKE, rerun_rc=0)
+    session_env = tmp_path / "session.env"
+    env = _detached_env(tmp_path, fake_py, SESSION_ENV=str(session_env))
+    r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "STAGES": "tests bench-detach"}, timeout=120)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    pid = int((tmp_path / "bench" / "pid").read_text())
+    try:
+        assert r.returncode == 0, summary
+        runs = [x for x in _records(record) if "pytest" in x]
+        main, rerun = runs[0], runs[1]
+        assert main == dict(pytest="gpu and not timeline", ids=[], knob=None)
+        # only what failed, serialised, without the tests that force the overlap on
+        assert rerun == dict(pytest="gpu and not overlap_on", ids=OVERLAP_BROKE, knob="0")
+        assert re.search(r"overlap-final +OFF for the session: the 2 failed GPU tests", summary)
+        assert session_env.read_text() == "export CHUNKATTN_OVERLAP_FINAL=0\n"
+        assert re.search(r"bench-detach +started", summary), summary
+        subprocess.run(["bash", str(DETACHED), "wait"], env=env, capture_output=True, timeout=60)
+        benches = [x for x in _records(record) if "bench" in x]
+        assert benches and all(x["knob"] == "0" for x in benches), benches
+        printed = subprocess.run(["bash", str(INSTALL), "env"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=30).stdout
+        assert "export CHUNKATTN_OVERLAP_FINAL=0" in printed        # the servers get it too
+    finally:
+        _end_session(pid)
+
+
+def test_a_failure_the_serial_final_launch_does_not_fix_stops_the_bench(tmp_path):
+    record = tmp_path / "record"
+    fake_py = _fake_pytest_python(tmp_path / "python", record, OVERLAP_BROKE, rerun_rc=1)
+    session_env = tmp_path / "session.env"
+    session_env.write_text("export CHUNKATTN_OVERLAP_FINAL=0\n")    # an earlier call's verdict
+    env = _detached_env(tmp_path, fake_py, SESSION_ENV=str(session_env))
+    r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "STAGES": "tests bench-detach"}, timeout=120)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert r.returncode == 1, summary
+    assert "overlap-final" not in summary and not session_env.exists()    # decided afresh
+    assert re.search(r"bench-detach +SKIPPED \(a test or the sanitizer failed\)", summary)
+    assert [x["knob"] for x in _records(record) if "pytest" in x][:1] == [None]

@@ -17,6 +17,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
+# CHUNKATTN_OVERLAP_FINAL both ways; the ones forcing the overlap on are marked, so that
+# run_on_device.sh can tell an overlap that is wrong on the GPU from any other failure.
+OVERLAP_OFF_ON = [pytest.param("0", id="overlap_off"),
+                  pytest.param("1", id="overlap_on", marks=pytest.mark.overlap_on)]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ def test_forced_splits(ops, splits, spec, forced):
     check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("overlap", OVERLAP_OFF_ON)
 @pytest.mark.parametrize("spec", ["single_prefix", "system_prompts", "batch_17"])
 def test_final_launch_overlapped_or_not(ops, splits, monkeypatch, spec, overlap):
     """The final launch beside the partial one (CHUNKATTN_OVERLAP_FINAL, default on sm_90+): its
@@ -126,6 +130,8 @@ def test_final_launch_overlapped_or_not(ops, splits, monkeypatch, spec, overlap)
         check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
+@pytest.mark.overlap_on
+@pytest.mark.timeline
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs sm_90+")
 def test_the_final_launch_starts_before_the_partial_one_ends(ops, monkeypatch):
@@ -217,7 +223,7 @@ def test_cuda_graph_replay(ops):
     check(b, plan, out, lse)
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("overlap", OVERLAP_OFF_ON)
 def test_cuda_graph_capacity_mode(ops, monkeypatch, overlap):
     # What a vLLM FULL decode graph does (backend.py): capture once on a capacity-mode plan, then
     # each step PlanCache writes the step's tree into the same device buffer and the graph

@@ -20,6 +20,7 @@ WHEELS=${VLLM_WHEELS:-/tmp/vllm_wheels}    # the reassembled tars, unpacked
 SITE=${VLLM_SITE:-/tmp/vllm_site}          # pip --target: goes first on PYTHONPATH
 MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}
 PY=${PYTHON:-python3}                      # the image's python (torch 2.11, nvidia-* wheels)
+SESSION_ENV=${SESSION_ENV:-/tmp/chunkattn_session.env}   # run_on_device.sh's knobs for the session
 NCCL_MIN=2.29                              # torch 2.13 needs symbols NCCL 2.28 lacks (bundle.py)
 COMPAT=$SITE/nccl_compat.so                # ... which nccl_compat.c defines, when it is preloaded
 
@@ -209,6 +210,8 @@ export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export CHUNKATTN_BUILD_DIR=\${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=\${MAX_JOBS:-16}
 EOF
   if [ -f "$COMPAT" ]; then echo "export LD_PRELOAD=$COMPAT\${LD_PRELOAD:+:\$LD_PRELOAD}"; fi
+  # knobs the kernel-test call settled for the session (run_on_device.sh: overlap_fallback)
+  if [ -f "$SESSION_ENV" ]; then cat "$SESSION_ENV"; fi
 }
 
 check() {

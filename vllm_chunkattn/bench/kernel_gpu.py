@@ -33,6 +33,7 @@ also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
@@ -281,7 +282,8 @@ def run_tree_grids(args, command: str) -> int:
     ceilings = measure_ceilings(device)
     meta = dict(command=command, device=device_name(device), torch=torch.__version__,
                 flashinfer=fi_version or fi_why, commit=provenance.git_commit(),
-                reps=args.reps, tol=args.tol, **ceilings)
+                reps=args.reps, tol=args.tol,
+                overlap_final=os.environ.get("CHUNKATTN_OVERLAP_FINAL", "default"), **ceilings)
     print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
     rows: list[dict] = []
     fi_broken: dict = {}
