@@ -1,6 +1,7 @@
 """CUDA TPP kernel timings on shared-prefix shapes: the tree plan vs the same kernel with no
 sharing (empty plan), with KV bytes and the bandwidth they imply. Needs a CUDA GPU.
-Calls replay back to back from one graph with no L2 flush: a shape whose KV fits in L2 is timed
+The two plans are timed side by side (ABBA rounds) after their outputs were checked equal. Calls
+replay back to back from one graph with no L2 flush: a shape whose KV fits in L2 is timed
 warm, and its GB/s can exceed HBM's (the row says so: "<label>_l2_resident"). bench kernel's
 grids flush L2 before every repeat.
 Usage: python benchmarks/gpu/tpp_microbench.py [--out results.json]"""
@@ -12,6 +13,7 @@ import sys
 
 import torch
 
+from vllm_chunkattn.bench.timing import Timer
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.plan import build_plan, empty_plan
 
@@ -24,6 +26,8 @@ SHAPES = [
     ("small_b16_p512_s64", 16, 512, 64, 1),
     ("long_tail_b4_p256_s8192", 4, 256, 8192, 1),
 ]
+ITERS = 50          # calls per graph
+REPLAYS, ROUNDS = 30, 6    # replays of each graph, in rounds tpp, no_sharing | no_sharing, tpp | ...
 
 
 def make(batch, prefix, tail, groups, num_heads, num_kv_heads, head_size, block_size, dtype):
@@ -42,22 +46,17 @@ def make(batch, prefix, tail, groups, num_heads, num_kv_heads, head_size, block_
     return q, kv[..., :head_size], kv[..., head_size:], bt, seq_lens
 
 
-def time_us(fn, iters=50):
+def graph_of(fn, iters=ITERS) -> torch.cuda.CUDAGraph:
+    """fn captured iters times in one graph: replayed, it is launched as vLLM's graphs launch it."""
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()                 # graph-replayed: launch overhead as in vLLM
+    g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(iters):
             fn()
     g.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (5 * iters)
+    return g
 
 
 def main(argv=None):
@@ -77,24 +76,34 @@ def main(argv=None):
     results = []
     for name, batch, prefix, tail, groups in SHAPES:
         q, k, v, bt, sl = make(batch, prefix, tail, groups, hq, hkv, a.head_size, a.block_size, dtype)
-        out = torch.empty_like(q)
         row = dict(shape=name, batch=batch, prefix=prefix, tail=tail, groups=groups,
                    heads=a.heads, head_size=a.head_size, block_size=a.block_size, dtype=a.dtype)
         tok_bytes = 2 * hkv * a.head_size * elem              # K + V per token per layer
+        btc, slc = bt.cuda(), sl.cuda()
+        graphs, outs = {}, {}
         for label, plan in (("tpp", build_plan(bt, sl, a.block_size)), ("no_sharing", empty_plan(batch))):
             plan = plan.to("cuda")
             spare = 16 * plan.num_partials + 16 * batch     # room for split-KV slots
             ws = [torch.empty(plan.num_partials + spare, hq, a.head_size, device="cuda"),
                   torch.empty(plan.num_partials + spare, hq, device="cuda"),
                   torch.empty(plan.num_partials + spare, hq, device="cuda")]
-            btc, slc = bt.cuda(), sl.cuda()
+            out = outs[label] = torch.empty_like(q)
 
-            def call():
+            def call(plan=plan, ws=ws, out=out):
                 ops.tpp_decode(q, k, v, btc, slc, plan.node_block_indptr, plan.node_block_ids,
                                plan.node_seq_indptr, plan.node_seq_ids, plan.seq_partial_indptr,
                                plan.seq_partial_ids, plan.seq_num_shared_blocks, *ws,
                                a.head_size ** -0.5, out, None)
-            us = time_us(call)
+            graphs[label] = graph_of(call)
+        # the same attention either way (tree vs none): a plan that computes something else
+        # must not be timed as a speed-up
+        torch.testing.assert_close(outs["tpp"].float(), outs["no_sharing"].float(), atol=2e-2,
+                                   rtol=2e-2)
+        # ms per replay of ITERS calls, the two plans side by side (ABBA rounds)
+        timed = Timer(torch.device("cuda"), flush_l2=False).side_by_side(
+            {label: g.replay for label, g in graphs.items()}, reps=REPLAYS, rounds=ROUNDS)
+        for label, ms in timed.items():
+            us = ms * 1e3 / ITERS
             tokens = (groups * prefix + batch * tail) if label == "tpp" else batch * (prefix + tail)
             row[f"{label}_us"] = round(us, 2)
             row[f"{label}_kv_MiB"] = round(tokens * tok_bytes / 2**20, 2)

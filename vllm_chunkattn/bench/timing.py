@@ -50,12 +50,13 @@ def op_env(env: dict):
 
 class Timer:
     """Milliseconds of a call. CUDA: events, with L2 flushed before each repeat (a 256 MB write)
-    so every contender reads KV from HBM as in a real step. CPU: perf_counter."""
+    so every contender reads KV from HBM as in a real step (flush_l2=False: back to back, warm).
+    CPU: perf_counter."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, flush_l2: bool = True):
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        self.flush = (torch.empty(256 << 20, dtype=torch.uint8, device=device)
+                      if self.cuda and flush_l2 else None)
 
     def __call__(self, fn, reps: int, budget_s: float = 2.0, warmup: bool = True) -> float:
         """Median ms of fn alone (for what has nothing to be compared with in the same run)."""
@@ -96,7 +97,8 @@ class Timer:
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e3
-        self.flush.zero_()
+        if self.flush is not None:
+            self.flush.zero_()
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         begin.record()
