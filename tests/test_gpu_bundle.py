@@ -271,3 +271,14 @@ def test_nccl_compat_defines_the_missing_symbols_and_fails_loudly(tmp_path):
 
 def test_installer_script_parses():
     assert subprocess.run(["bash", "-n", str(INSTALLER)]).returncode == 0
+
+
+def test_every_part_call_fits_what_a_device_call_carries():
+    """Each part call carries the working tree (tracked files and untracked ones git does not
+    ignore) beside its part: a big file committed or left lying in the checkout would make every
+    part call of a GPU session fail (the device tool's limit is 64 MiB a call)."""
+    tree, call = bundle.largest_call_bytes()
+    assert tree > 1 << 20                       # the tree was counted (sources, results, models)
+    assert call < bundle.CALL_BYTES, (
+        f"the tree ({tree / 2**20:.2f} MiB) + the largest part come to {call / 2**20:.2f} MiB: "
+        f"keep big files out of the checkout or git-ignore them")

@@ -37,6 +37,7 @@ REPO = HERE.parents[1]
 BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part per device call)
 MANIFEST = HERE / "bundle_manifest.txt"
 PART_BYTES = 60 << 20
+CALL_BYTES = 64 << 20          # what one device call carries at most: the tree and one part
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
 XZ_MIN = 16 << 20              # wheels this big travel as xz (torch, vllm, triton: 21 -> 16 parts)
 GROUPS_AS_SHIPPED = {"nccl"}
@@ -395,12 +396,19 @@ def status(args) -> None:
         print(f"call {folder[1:]}: carry .bundle/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
               f"  {'ok' if ok else 'MISSING/BAD'}"
               f"{'  (only if the NCCL check fails: SHARED_LIBS)' if only else ''}")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                           capture_output=True, text=True).stdout.split("\0")
-    tree = sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())
-    call = tree + max(int(p[3]) for p in parts)
+    tree, call = largest_call_bytes()
     print(f"the tree that travels: {tree / 2**20:.2f} MiB; largest call {call / 2**20:.2f} MiB "
-          f"of 64 MiB{'' if call < 64 << 20 else ': TOO BIG, ignore or remove untracked files'}")
+          f"of 64 MiB{'' if call < CALL_BYTES else ': TOO BIG, ignore or remove untracked files'}")
+
+
+def largest_call_bytes() -> tuple[int, int]:
+    """(bytes of the working tree the device tool carries on every call: tracked files and
+    untracked ones git does not ignore, bytes of the call that also carries the largest part)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    tree = sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())
+    parts = [ln.split() for ln in MANIFEST.read_text().splitlines() if ln.startswith("part ")]
+    return tree, tree + max(int(p[3]) for p in parts)
 
 
 def main(argv=None):
