@@ -157,9 +157,8 @@ if (( build_rc == 0 )); then
   xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
   ptimeout=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=150")
   if want tests; then
-    # shellcheck disable=SC2046,SC2086  # word splitting of the optional flags and file list
     gpu_files=$(grep -l -E "mark\.gpu" tests/test_*.py)
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2086  # word splitting of the optional flags and file list
     stage gpu-tests 200 "$WORK/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
       -m "gpu and not timeline" $xdist $ptimeout --junitxml="$WORK/tests_gpu.xml" $gpu_files \
       || overlap_fallback || FAILED=1

@@ -251,8 +251,7 @@ def run_grid(args) -> list[dict]:
                        baseline_isa=isa, plan_ms=round(plan_ms, 3))
             # naive CPU SDPA: seconds a call, already warmed by the check above; one repeat,
             # after the others, which are timed side by side (ABBA)
-            naive = contenders.pop("sdpa_per_seq") if device.type == "cpu" and \
-                "sdpa_per_seq" in contenders else None
+            naive = contenders.pop("sdpa_per_seq", None) if device.type == "cpu" else None
             for name, ms in timer.side_by_side(contenders, args.reps).items():
                 row[f"{name}_ms"] = round(ms, 3)
             if naive is not None:
