@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from .kernel_trees import ALL_GPU
+from .timing import ROUNDS
 
 GRID_TITLES = {
     "paper": "The paper's Table 3 (b = 32, 32/32 heads, d 128, fp16, chunk 64; n_p prompt + 1 new "
@@ -155,10 +156,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"One layer, one decode step. Times are µs, the median of up to {meta['reps']} "
              "repeats after a warm-up, each timed with CUDA events after a 256 MB write that "
              "flushes L2 (on a CPU, smoke only: wall clock). Every contender of a point, and "
-             "ours under each knob below, is timed side by side with the others in 4 rounds "
-             "whose order reverses every round (ABBA), so a ratio does not also measure the "
-             "device drifting between two contenders' turns. `ours` is our op as a layer calls "
-             "it (TppLaunch built beforehand). "
+             "ours under each knob below, is timed side by side with the others in "
+             f"{ROUNDS} rounds whose order reverses every round (ABBA), so a ratio does not "
+             "also measure the device drifting between two contenders' turns. `ours` is our "
+             "op as a layer calls it (TppLaunch built beforehand). "
              "`ours graph` replays the same call from a CUDA graph. `ours vLLM graph` replays "
              "it as vLLM's FULL decode graphs run it: the plan padded to the batch size's "
              "capacity (plan_capacity.py; pruned where the tree exceeds it), no split spares in "
