@@ -261,43 +261,6 @@ def _rows(plan, rows):
                    plan.seq_num_shared_blocks[:rows])
 
 
-def test_v2_runner_mirror_follows_append_block_ids():
-    """The V2 runner keeps block ids only on the device; the mirror fed from append_block_ids
-    must give the rows its gather would (by request index, overwrite on a new request)."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from vllm_chunkattn.plugin import host_block_table as h
-    class BlockTables:                                    # the attributes we read, no more
-        pass
-    gpu = torch.zeros(4, 6, dtype=torch.int32)
-    tables = BlockTables()
-    tables.block_tables, tables.input_block_tables = [SimpleNamespace(gpu=gpu)], [gpu]
-    tables.num_blocks = SimpleNamespace(np=np.zeros((1, 4), np.int32))
-    tables.redirect_writes_to_null_block = False
-
-    def append(req, ids, overwrite):                    # BlockTables.append_block_ids, then ours
-        start = 0 if overwrite else tables.num_blocks.np[0, req]
-        tables.num_blocks.np[0, req] = start + len(ids[0])
-        h._after_v2_append(tables, req, ids, overwrite)
-    h._after_v2_init(tables)
-    append(2, ([7, 8],), True)
-    append(0, ([7, 9, 3],), True)
-    append(2, ([5],), False)
-    append(0, ([1],), True)                              # request slot 0 reused
-    cm = SimpleNamespace(block_table_tensor=gpu, req_idx=np.array([2, 0]))
-    assert h.host_block_table(cm, 2)[:, :3].tolist() == [[7, 8, 5], [1, 9, 3]]
-    tables.redirect_writes_to_null_block = True
-    append(2, ([6],), False)
-    assert h.host_block_table(cm, 1)[0, :4].tolist() == [7, 8, 5, 0]
-    # A FULL-graph step padded to 4 rows: req_idx names the 2 real requests (V2's
-    # idx_mapping_np), the padding rows come back zero as the device gather leaves them.
-    padded = h.host_block_table(cm, 4)
-    assert padded.shape == (4, 6) and padded.dtype == np.int32
-    assert padded[:2, :3].tolist() == [[7, 8, 5], [1, 9, 3]] and not padded[2:].any()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM for CUDA")
 def test_decode_build_and_forward_never_sync_on_cuda():

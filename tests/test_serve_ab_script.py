@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from test_v2_model_runner import GPU_DEFAULTS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "serve_ab.sh"
 MODEL = ROOT / "models" / "tiny-llama"
@@ -60,7 +62,9 @@ def test_serve_ab_script_on_cpu(tmp_path):
            # The script's --gpu-memory-utilization 0.90 is a share of the node's memory on CPU,
            # and vLLM refuses to start when that much is not free (it was not on a 2-core
            # Xeon's 11 GiB node); a fixed KV pool skips that check.
-           "EXTRA_SERVER_ARGS": f"--kv-cache-memory-bytes {512 << 20}"}
+           "EXTRA_SERVER_ARGS": f"--kv-cache-memory-bytes {512 << 20}",
+           # vLLM's GPU defaults: the V2 model runner and async scheduling (test_v2_model_runner)
+           **GPU_DEFAULTS}
     env.pop("PORT", None)
     t0 = time.monotonic()
     try:
@@ -83,6 +87,7 @@ def test_serve_ab_script_on_cpu(tmp_path):
     for w in ("prefix1x2k", "random"):
         assert rows[w].split("|")[2].strip() == "4", summary     # all 4 requests completed
     assert "kernel=native-cpu" in summary
+    assert "async scheduling on" in summary and "Using V2 Model Runner" in summary, summary
     assert (tmp_path / "out" / "results_custom-r7.tar.gz").stat().st_size > 0
     # The server and its engine core are gone, the earlier call's process too.
     server_log = (tmp_path / "out" / "server_custom-r7.log").read_text()

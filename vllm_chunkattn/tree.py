@@ -97,6 +97,7 @@ class ChunkPrefixTree:
         self.pool_size = num_blocks - len(self.reserved)
         self.seqs: dict[Hashable, _SequenceBlocks] = {}
         self.num_hit_tokens = self.num_query_tokens = self.num_evictions = self.num_shared_tokens = 0
+        self.num_resolved_tokens = 0        # pending slots given their sampled ids (async scheduling)
         self._clock = 0
         self._entry_ids = itertools.count()
         self._clear()
@@ -174,6 +175,7 @@ class ChunkPrefixTree:
         bs = self.block_size
         first = self.num_tokens(seq_id) - seq.num_pending
         seq.num_pending -= len(token_ids)
+        self.num_resolved_tokens += len(token_ids)
         tail_start = len(seq.chunks) * bs
         for index in range(first // bs, len(seq.chunks)):   # sealed chunks holding pending ones
             chunk = seq.chunks[index]

@@ -178,9 +178,11 @@ $PY -m vllm_chunkattn.bench.serve_ab_report --summary "$WORK" "$OUT/server_$TAG.
   > "$OUT/summary_$TAG.md"
 grep -m1 "kernel=" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
 # Which CUDA graphs were captured (FULL decode graphs include CUSTOM's attention) and whether
-# async scheduling stayed on (vLLM's GPU default; the flag must leave it alone).
+# async scheduling stayed on (vLLM's GPU default; the flag must leave it alone): vLLM 0.32 logs
+# neither that nor the model runner unless V2, so CUSTOM's tree scheduler says it.
 { grep -oE "Capturing CUDA graphs \([^)]*\)" "$OUT/server_$TAG.log" | sort -u
-  grep -oE "cudagraph_mode[^,]*|async_scheduling=[A-Za-z]+" "$OUT/server_$TAG.log" | sort -u
+  grep -oE "cudagraph_mode[^,]*|async scheduling (on|off)|Using V2 Model Runner" \
+    "$OUT/server_$TAG.log" | sort -u
 } >> "$OUT/summary_$TAG.md"
 grep -m1 "KV cache size" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
 tar -czf "$OUT/results_$TAG.tar.gz" -C "$WORK" .

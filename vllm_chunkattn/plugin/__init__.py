@@ -33,12 +33,11 @@ def register() -> None:
 def _find_host_block_tables() -> None:
     """On GPU the builder plans from the host rows of the block table, which vLLM keeps inside
     its model runners: note where as they are made (plugin/host_block_table.py). register() runs
-    in every worker before its runner exists. On CPU the block table already is on the host."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        from .host_block_table import install
-        install()
+    in every worker before its runner exists. On CPU too: there the V2 runner (vLLM's choice
+    where Triton runs) goes the GPU's way and a test can check it (CHUNKATTN_CHECK_HOST_ROWS);
+    the V1 CPU runner's table is its host buffer, which the builder reads directly."""
+    from .host_block_table import install
+    install()
 
 
 def _honour_custom_backend_on_cpu() -> None:

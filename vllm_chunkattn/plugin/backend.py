@@ -29,7 +29,7 @@ from ..ops import CUDA_BLOCK_SIZES, TppLaunch, TppWorkspace, cuda_fit, kernel_na
 from ..plan import PlanCache, TppPlan
 from ..plan_capacity import PlanCapacity
 from . import logger
-from .host_block_table import host_block_table
+from .host_block_table import host_block_table, host_seq_lens
 from .sharing_stats import SHARING_STATS
 
 def _platform_base():
@@ -198,16 +198,16 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         seq_lens = cm.seq_lens[:num_decodes]
         plan = decode = None
         if num_decodes:
-            host_table, host_seq_lens = self._host_rows(cm, num_decodes)
+            host_table, decode_seq_lens = self._host_rows(cm, num_decodes)
             plans, workspace = self.plans, None
             if num_prefills == 0 and num_decodes in self.graph_plans:
                 plans, workspace = self.graph_plans[num_decodes]   # a graph may replay this step
-            plan = plans.get(host_table, host_seq_lens,
+            plan = plans.get(host_table, decode_seq_lens,
                              self._num_kv_blocks() if plans.check_on_host else None)
             decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
                                self.device, workspace)
             if record_stats:         # rows past vLLM's real ones (graph padding) have seq_len 0
-                SHARING_STATS.record(int((host_seq_lens > 0).sum()), int(host_seq_lens.sum()),
+                SHARING_STATS.record(int((decode_seq_lens > 0).sum()), int(decode_seq_lens.sum()),
                                      plans.shared_kv_tokens, self._num_plan_builds(),
                                      num_prefills > 0)
         prefill = None
@@ -243,11 +243,9 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                                                                               np.ndarray]:
         """The decode rows' block table and seq_lens from vLLM's host copies: reading the device
         tensors would make the host wait for the GPU every step (plugin/host_block_table.py).
-        seq_lens_cpu_upper_bound is exact without speculative decoding (FlashInfer relies on
-        the same). Where vLLM keeps no host copy the rows are copied, with a warning once."""
-        table = host_block_table(cm, num_rows)
-        seq_lens = cm.seq_lens if cm.seq_lens.device.type == "cpu" else (
-            cm.seq_lens_cpu_upper_bound if self.vllm_config.speculative_config is None else None)
+        Where vLLM keeps no host copy the rows are copied, with a warning once."""
+        table = host_block_table(cm, num_rows, self.block_size)
+        seq_lens = host_seq_lens(cm, num_rows, self.vllm_config.speculative_config is None)
         if table is None or seq_lens is None:
             if not self._warned_copy:
                 self._warned_copy = True

@@ -14,16 +14,23 @@ install() wraps those constructors (and append_block_ids) once per process, befo
 runner exists (plugin.register). host_block_table() then finds the host rows of
 cm.block_table_tensor by its data pointer, or returns None where it cannot (kernel-block
 splitting, context parallelism, another runner).
+On CPU the table handed to the builder lives on the host too: the builder plans from the runner's
+host rows there as well, and with CHUNKATTN_CHECK_HOST_ROWS=1 compares them with that table every
+step, raising on a difference (tests/test_v2_model_runner.py runs V2 that way).
 """
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 
 import numpy as np
 
+from . import logger
+
 _V1: dict[int, weakref.ref] = {}                  # .gpu data_ptr -> BlockTable
 _V2: dict[int, tuple[weakref.ref, int]] = {}      # input_block_tables[g] data_ptr -> (BlockTables, g)
+_checked: set[str] = set()                        # runners whose host rows were checked (logged once)
 
 
 def install() -> None:
@@ -41,15 +48,44 @@ def install() -> None:
         pass
 
 
-def host_block_table(cm, num_rows: int) -> np.ndarray | None:
-    """[num_rows, width] int32 host rows equal to cm.block_table_tensor[:num_rows], or None."""
+def host_block_table(cm, num_rows: int, block_size: int) -> np.ndarray | None:
+    """[num_rows, width] int32 host rows equal to cm.block_table_tensor[:num_rows] in every
+    block a row's seq_len reaches (past it either may hold stale ids), or None."""
+    found = _runner_host_rows(cm, num_rows)
+    bt = cm.block_table_tensor
+    if bt.device.type != "cpu":
+        return None if found is None else found[1]
+    table = bt[:num_rows].numpy()                  # CPU runner: the "device" table is the host's
+    if found is None:
+        return table
+    if os.environ.get("CHUNKATTN_CHECK_HOST_ROWS") == "1":
+        live = -(-cm.seq_lens[:num_rows].numpy() // block_size)
+        _check(found, table, np.arange(table.shape[1])[None, :] < live[:, None])
+    return found[1]
+
+
+def host_seq_lens(cm, num_rows: int, upper_bound_exact: bool):
+    """The rows' seq_lens on the host, or None. The runners' seq_lens_cpu_upper_bound is exact
+    without speculative decoding (FlashInfer relies on the same)."""
+    bound = cm.seq_lens_cpu_upper_bound if upper_bound_exact else None
+    if cm.seq_lens.device.type != "cpu":
+        return bound
+    if bound is not None and os.environ.get("CHUNKATTN_CHECK_HOST_ROWS") == "1":
+        truth = cm.seq_lens[:num_rows].numpy()
+        _check(("seq_lens_cpu_upper_bound", bound[:num_rows].numpy()), truth,
+               np.ones(truth.shape, bool))
+    return cm.seq_lens
+
+
+def _runner_host_rows(cm, num_rows: int) -> tuple[str, np.ndarray] | None:
+    """(source, rows) from the runner's host copy of cm.block_table_tensor, or None."""
     bt = cm.block_table_tensor
     ptr = bt.data_ptr()
     v1 = _V1.get(ptr)
     if v1 is not None and (table := v1()) is not None:
         buf = table.block_table
         if buf.gpu.data_ptr() == ptr and buf.cpu.shape[1] == bt.shape[1]:
-            return buf.np[:num_rows]
+            return "V1 block table", buf.np[:num_rows]
     v2 = _V2.get(ptr)
     if v2 is not None and (tables := v2[0]()) is not None and cm.req_idx is not None:
         host = tables._chunkattn_host[v2[1]]
@@ -58,10 +94,24 @@ def host_block_table(cm, num_rows: int) -> np.ndarray | None:
             # A FULL-graph step pads the batch past its requests (req_idx holds the real ones
             # only); the device gather zeroes the padding rows, whose seq_lens are 0.
             pad = num_rows - rows.shape[0]
-            return np.pad(rows, ((0, pad), (0, 0))) if pad > 0 else rows
-    if bt.device.type == "cpu":                    # CPU runner: the "device" table is the host's
-        return bt[:num_rows].numpy()
+            return "V2 block table", np.pad(rows, ((0, pad), (0, 0))) if pad > 0 else rows
     return None
+
+
+def _check(found: tuple[str, np.ndarray], truth: np.ndarray, used: np.ndarray) -> None:
+    """found = (source, host copy); truth: what the CPU runner hands the builder; used: the
+    entries that must agree."""
+    source, rows = found
+    differ = (rows != truth) & used
+    if differ.any():
+        bad = np.flatnonzero(differ.reshape(len(truth), -1).any(axis=1))
+        raise RuntimeError(f"vllm-chunkattn: host copy ({source}) differs from the runner's "
+                           f"tensor at rows {bad[:8].tolist()}: {rows[bad[0]].tolist()} vs "
+                           f"{truth[bad[0]].tolist()}")
+    if source not in _checked:
+        _checked.add(source)
+        logger.info("vllm-chunkattn: host copy (%s) checked against the runner's tensor, every "
+                    "step", source)
 
 
 def _wrap(cls, name: str, after) -> None:

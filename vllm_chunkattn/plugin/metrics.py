@@ -81,6 +81,7 @@ class TreeMetrics:
             "hit_tokens": s.num_hit_tokens, "query_tokens": s.num_query_tokens,
             "hit_rate": s.hit_rate, "evictions": s.num_evictions,
             "invariant_checks": self.invariant_checks, "preemptions": self.preemptions,
+            "resolved_pending_tokens": self.tree.num_resolved_tokens,
         }
 
     def publish(self) -> None:

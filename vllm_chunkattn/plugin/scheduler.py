@@ -45,9 +45,11 @@ class ChunkTreeScheduling:
         self.max_wait_steps = int(os.environ.get("CHUNKATTN_SCHED_MAX_WAIT_STEPS", "64"))
         self._first_seen: dict[str, int] = {}
         self.tree_metrics = TreeMetrics(self.tree, vllm_config)
+        # vLLM 0.32 does not log whether async scheduling is on: serve_ab.sh reads it here.
         logger.info("chunk prefix tree is the KV cache manager: %d blocks of %d tokens, "
-                    "prefix-aware scheduling %s", self.tree.pool_size, self.block_size,
-                    "on" if self.prefix_aware else "off")
+                    "prefix-aware scheduling %s, async scheduling %s", self.tree.pool_size,
+                    self.block_size, "on" if self.prefix_aware else "off",
+                    "on" if isinstance(self, AsyncScheduler) else "off")
 
     def schedule(self, *args, **kwargs):
         if (self.prefix_aware and len(self.waiting) > 1
