@@ -2,32 +2,40 @@
 KV pool of a few prompts, Poisson arrivals of tree-shaped prompts, n > 1 sampling, clients that
 hang up mid-stream, over-long and malformed requests; then idle and whole, and every completed
 greedy answer token-identical to stock vLLM's (fp32). The committed 1000-request run is
-benchmarks/results/soak_cpu.md."""
+benchmarks/results/soak_cpu.md. Twice: as vLLM runs on CPU (V1 runner, no async scheduling), and
+as it runs on a GPU (V2 runner, async scheduling on: tests/gpu_defaults_on_cpu/), both servers."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from test_v2_model_runner import GPU_DEFAULTS
 from vllm_runs import REPO, assert_native_kernel, tiny_model
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 
-@pytest.fixture(scope="module")
-def soak(tmp_path_factory):
+MODES = {"cpu": ({}, ("V1", "off")), "gpu-defaults": (GPU_DEFAULTS, ("V2", "on"))}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def soak(request, tmp_path_factory):
     tiny_model()
     out = tmp_path_factory.mktemp("soak")
+    env, modes = MODES[request.param]
     proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench", "soak", "--requests",
                            "150", "--out", str(out), "--log-dir", str(out / "logs"),
                            "--tag", "ci"], cwd=REPO, capture_output=True, text=True,
-                          timeout=1500)
+                          timeout=1500, env={**os.environ, **env})
     path = out / "soak_ci.json"
     assert path.exists(), f"no soak result (rc={proc.returncode}):\n{proc.stdout[-3000:]}" \
                           f"\n{proc.stderr[-3000:]}"
     result = json.loads(path.read_text())
     result["rc"] = proc.returncode
+    assert (result["model_runner"], result["async_scheduling"]) == modes, result
     result["custom_log"] = (out / "logs" / "soak_custom.server.log").read_text()
     return result
 

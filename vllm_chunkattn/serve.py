@@ -44,6 +44,14 @@ def port_is_busy(port: int) -> bool:
 KERNEL_IN_USE = re.compile(r"ChunkAttention backend \(CUSTOM\) in use: TPP decode kernel=([\w-]+)")
 
 
+def engine_modes(log: str) -> dict[str, str]:
+    """The model runner and async scheduling a server ran with, from its log (vLLM logs the V2
+    runner; the tree scheduler's start-up line says async scheduling on / off)."""
+    asynchronous = re.search(r"async scheduling (on|off)", log)
+    return {"model_runner": "V2" if "Using V2 Model Runner" in log else "V1",
+            "async_scheduling": asynchronous.group(1) if asynchronous else "unknown"}
+
+
 class ServerError(RuntimeError):
     pass
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from vllm_chunkattn.bench import provenance
 from vllm_chunkattn.bench.ab import MetricsSampler, healthy, log, post, scrape
 from vllm_chunkattn.bench.soak_workload import SERVED_NAME, SoakRequest, make_requests
-from vllm_chunkattn.serve import KERNEL_IN_USE, ServerProcess
+from vllm_chunkattn.serve import KERNEL_IN_USE, ServerProcess, engine_modes
 
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 1024
 SERVER_FLAGS = ["--served-model-name", SERVED_NAME, "--dtype", "float32",
@@ -215,6 +215,7 @@ def main(argv=None) -> int:
         load_s = time.monotonic() - t0
         state = final_state(server, stats_file) if healthy(server) else {"alive": False}
     kernels = set(KERNEL_IN_USE.findall(server_log.read_text()))
+    state.update(engine_modes(server_log.read_text()))
     outcomes = {r.index: outcome(r) for r in requests}
     greedy = [r for r in requests if r.greedy and outcomes[r.index] == "ok"]
     log(f"soak: load done in {load_s:.0f}s; stock answers {len(greedy)} greedy requests")
@@ -286,7 +287,9 @@ def write_report(result: dict, sampler: MetricsSampler, out: Path, tag: str) -> 
              f"after {r['load_average_after']}; commit {r['commit']}, {r['date']}",
              f"- server: embedded tiny model, `{r['server_flags']} --kv-cache-memory-bytes "
              f"{r['kv_cache_bytes']} --attention-backend CUSTOM` (KV pool {r['kv_pool_tokens']} "
-             f"tokens), CHUNKATTN_DEBUG_TREE=1 (the tree's invariant checker every step)",
+             f"tokens), CHUNKATTN_DEBUG_TREE=1 (the tree's invariant checker every step); "
+             f"vLLM's {r.get('model_runner')} model runner, async scheduling "
+             f"{r.get('async_scheduling')}",
              f"- load: Poisson arrivals at {r['rate_per_s']:g}/s, {r['load_s']} s; whole run "
              f"(with the stock comparison) {r['wall_s']} s; kernel {', '.join(r['kernels'])}",
              f"- tree: {r.get('steps')} steps, {r.get('invariant_checks')} invariant checks, "
