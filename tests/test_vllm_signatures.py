@@ -8,8 +8,9 @@ imported: its files are parsed (ast); ours are inspected.
 - every method of vLLM's we override (manager, scheduler, backend) accepts whatever vLLM's
   accepts, and we define every abstract one;
 - the attributes the scheduler reads on the manager, ChunkAttnScheduler's overrides and the
-  scheduler state it reads, the CommonAttentionMetadata fields our builder reads, the platform
-  methods the plugin wraps, and every name the plugin imports from vLLM still exist."""
+  scheduler state it reads, the CommonAttentionMetadata fields our builder reads, the model
+  runners' block-table state plugin/host_block_table.py reads, the platform methods the plugin
+  wraps, and every name the plugin imports from vLLM still exist."""
 import ast
 import inspect
 from pathlib import Path
@@ -22,7 +23,7 @@ pytest.importorskip("vllm")
 import vllm
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from vllm_chunkattn.plugin import backend, scheduler
+from vllm_chunkattn.plugin import backend, host_block_table, scheduler
 from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
 
 pytestmark = pytest.mark.vllm
@@ -198,11 +199,35 @@ def test_every_vllm_name_the_plugin_imports_exists(vllm_root):
 def test_the_metadata_fields_our_builder_reads_exist(vllm_root):
     fields = self_attributes(find_class(parse(vllm_root, "v1/attention/backend.py"),
                                         "CommonAttentionMetadata"))
-    source = ast.parse(Path(backend.__file__).read_text())
-    read = {n.attr for n in ast.walk(source) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id in ("cm", "common_attn_metadata")}
-    assert {"block_table_tensor", "seq_lens", "slot_mapping"} <= read
+    read = set()
+    for path in (backend.__file__, host_block_table.__file__):
+        read |= {n.attr for n in ast.walk(ast.parse(Path(path).read_text()))
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id in ("cm", "common_attn_metadata")}
+    assert {"block_table_tensor", "seq_lens", "slot_mapping", "req_idx",
+            "seq_lens_cpu_upper_bound"} <= read
     assert sorted(read - fields) == []
+
+
+def test_the_runner_state_the_host_block_table_reads_exists(vllm_root):
+    """plugin/host_block_table.py reads the model runners' block tables on the host: V1's
+    BlockTable.block_table (a CpuGpuBuffer), V2's BlockTables, whose append_block_ids it follows
+    and whose num_blocks.np must hold the row's new end when that returns."""
+    def attributes(relative, cls):
+        return self_attributes(find_class(parse(vllm_root, relative), cls))
+    assert "block_table" in attributes("v1/worker/block_table.py", "BlockTable")
+    assert {"gpu", "cpu", "np"} <= attributes("v1/utils.py", "CpuGpuBuffer")
+    v2 = find_class(parse(vllm_root, "v1/worker/gpu/block_table.py"), "BlockTables")
+    assert {"block_tables", "input_block_tables", "num_blocks",
+            "redirect_writes_to_null_block"} <= self_attributes(v2)
+    assert "gpu" in attributes("v1/worker/gpu/buffer_utils.py", "StagedWriteTensor")
+    assert "np" in attributes("v1/worker/gpu/buffer_utils.py", "UvaBackedTensor")
+    append = methods(v2)["append_block_ids"]
+    assert [a.arg for a in append.args.args] == ["self", "req_index", "new_block_ids",
+                                                 "overwrite"]
+    sets_end = [n for n in ast.walk(append) if isinstance(n, ast.Assign)
+                and ast.unparse(n.targets[0]) == "self.num_blocks.np[i, req_index]"]
+    assert [ast.unparse(n.value) for n in sets_end] == ["end"]
 
 
 def test_the_platform_methods_the_plugin_wraps_keep_their_signatures(vllm_root):
