@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_v2_model_runner import GPU_DEFAULTS
+from vllm_runs import GPU_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "serve_ab.sh"

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from test_v2_model_runner import GPU_DEFAULTS
-from vllm_runs import REPO, assert_native_kernel, tiny_model
+from vllm_runs import GPU_DEFAULTS, REPO, assert_native_kernel, tiny_model
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")

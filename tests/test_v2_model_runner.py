@@ -12,17 +12,13 @@ from the host copies the GPU path plans from (the mirror of V2's block table fed
 BlockTables.append_block_ids, seq_lens_cpu_upper_bound) and checks them every step against the
 tensors the CPU runner hands it; any difference fails the engine."""
 import json
-import os
 
 import pytest
 
 from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
-from vllm_runs import REPO, assert_native_kernel, assert_not_custom, run_llm
+from vllm_runs import GPU_DEFAULTS, assert_native_kernel, assert_not_custom, run_llm
 
 pytestmark = pytest.mark.vllm
-GPU_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [
-                    str(REPO / "tests" / "gpu_defaults_on_cpu"), os.environ.get("PYTHONPATH")]))}
 
 
 def gpu_defaults_job(backend, prompts) -> dict:

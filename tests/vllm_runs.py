@@ -14,6 +14,12 @@ from vllm_chunkattn.serve import KERNEL_IN_USE
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "tiny-llama"
+# vLLM on CPU as it runs on a GPU: the V2 model runner and async scheduling kept on (Triton's
+# interpreter runs V2's kernels: tests/gpu_defaults_on_cpu/sitecustomize.py). Merged into a child's
+# environment; test_v2_model_runner.py says what it covers.
+GPU_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [
+                    str(REPO / "tests" / "gpu_defaults_on_cpu"), os.environ.get("PYTHONPATH")]))}
 
 
 def tiny_model() -> Path:
