@@ -4,7 +4,10 @@ driver. Checks that --attention-backend CUSTOM selects our backend on the CUDA p
 block size the kernel takes (stock picks FLASH_ATTN), that the tree's async scheduler is
 installed with async scheduling and FULL_AND_PIECEWISE graphs left on, and that ChunkAttnImpl and
 ChunkAttnMetadataBuilder construct over FLASH_ATTN's (the builder on a CPU device, with the
-PyTorch reference standing in for the kernel). Exit 1 on any failure.
+PyTorch reference standing in for the kernel), and that a GPU the kernel cannot serve (an L4's
+99 KB per block at head 256) is refused by vLLM's own selection with the reason. torch has no
+driver here, so the device's properties are an H100's (or the L4's) as torch would report them.
+Exit 1 on any failure.
 
 Usage (benchmarks/gpu/README.md, "Rehearsal without a GPU"):
   eval "$(VLLM_SITE=... bash benchmarks/gpu/install_bundle.sh env)"
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import import_probe  # noqa: E402
@@ -23,6 +27,7 @@ def main() -> int:
     import_probe._ensure_libcuda()                # re-execs with a stub driver if none loads
     import_probe._force_cuda_platform()
     import torch
+    stand_in_device(H100)
     from vllm.config import (AttentionConfig, CacheConfig, ModelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.platforms import current_platform
@@ -55,6 +60,7 @@ def main() -> int:
                 ok &= sched.scheduler_cls.endswith("ChunkAttnAsyncScheduler")
             if not ok:
                 failures.append(line)
+    failures += refused_where_it_cannot_serve(cfg)
     base, layout, layouts = be._platform_base()
     print("platform base:", base.get_name(), layout, layouts)
     if base.get_name() != "FLASH_ATTN" or layout != "flash":
@@ -68,6 +74,53 @@ def main() -> int:
         failures.append(f"impl base {type(impl.base).__name__}")
     print("FAILED:\n  " + "\n  ".join(failures) if failures else "GLUE OK")
     return 1 if failures else 0
+
+
+H100 = ((9, 0), "NVIDIA H100 80GB HBM3", 232448)    # cudaDevAttrMaxSharedMemoryPerBlockOptin
+L4 = ((8, 9), "NVIDIA L4", 101376)
+
+
+def stand_in_device(gpu) -> None:
+    """What torch.cuda and vLLM's platform report for device 0, as on that GPU (no driver here:
+    the backend's selection-time check reads the device's shared memory per block)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    (major, minor), name, smem = gpu
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(
+        name=name, major=major, minor=minor, shared_memory_per_block_optin=smem)
+    cls = type(current_platform)
+    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(major, minor))
+    cls.get_device_name = classmethod(lambda c, device_id=0: name)
+
+
+def refused_where_it_cannot_serve(cfg) -> list[str]:
+    """Head 256 on an L4 (99 KB per block): vLLM's selection must stop with the kernel's reason;
+    head 128 there is served."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import _cached_get_attn_backend, get_attn_backend
+    failures = []
+    stand_in_device(L4)
+    try:
+        for head_size, refused in ((128, False), (256, True)):
+            _cached_get_attn_backend.cache_clear()
+            try:
+                with set_current_vllm_config(cfg):
+                    got = get_attn_backend(head_size=head_size, dtype=torch.bfloat16,
+                                           kv_cache_dtype="auto", num_heads=8).get_name()
+                line, ok = f"L4 head {head_size}: {got}", not refused and got == "CUSTOM"
+            except ValueError as e:
+                line = f"L4 head {head_size}: refused: {' '.join(str(e).split())[:240]}"
+                ok = refused and "needs 102144 bytes of shared memory" in str(e)
+            print(line)
+            if not ok:
+                failures.append(line)
+    finally:
+        stand_in_device(H100)
+        _cached_get_attn_backend.cache_clear()
+    return failures
 
 
 if __name__ == "__main__":
