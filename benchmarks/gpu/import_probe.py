@@ -228,11 +228,21 @@ def _force_cuda_platform():
         platforms.builtin_platform_plugins[name] = lambda: None
     # Module-level capability checks ("is this Blackwell?") would initialise CUDA: answer them
     # as an H100 would.
+    stand_in_platform(*H100)
+    type(platforms.current_platform).get_device_total_memory = classmethod(
+        lambda c, device_id=0: 80 << 30)
+
+
+H100 = ((9, 0), "NVIDIA H100 80GB HBM3")
+
+
+def stand_in_platform(capability: tuple[int, int], name: str) -> None:
+    """vLLM's current platform reports device 0 as this GPU (no driver asked)."""
+    from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
-    cls = type(platforms.current_platform)
-    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(9, 0))
-    cls.get_device_name = classmethod(lambda c, device_id=0: "NVIDIA H100 80GB HBM3")
-    cls.get_device_total_memory = classmethod(lambda c, device_id=0: 80 << 30)
+    cls = type(current_platform)
+    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(*capability))
+    cls.get_device_name = classmethod(lambda c, device_id=0: name)
 
 
 def _cli_parsers():

@@ -76,7 +76,7 @@ def main() -> int:
     return 1 if failures else 0
 
 
-H100 = ((9, 0), "NVIDIA H100 80GB HBM3", 232448)    # cudaDevAttrMaxSharedMemoryPerBlockOptin
+H100 = (*import_probe.H100, 232448)      # + cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
 L4 = ((8, 9), "NVIDIA L4", 101376)
 
 
@@ -84,15 +84,11 @@ def stand_in_device(gpu) -> None:
     """What torch.cuda and vLLM's platform report for device 0, as on that GPU (no driver here:
     the backend's selection-time check reads the device's shared memory per block)."""
     import torch
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import DeviceCapability
     (major, minor), name, smem = gpu
     torch.cuda.current_device = lambda: 0
     torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(
         name=name, major=major, minor=minor, shared_memory_per_block_optin=smem)
-    cls = type(current_platform)
-    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(major, minor))
-    cls.get_device_name = classmethod(lambda c, device_id=0: name)
+    import_probe.stand_in_platform((major, minor), name)
 
 
 def refused_where_it_cannot_serve(cfg) -> list[str]:
@@ -101,6 +97,8 @@ def refused_where_it_cannot_serve(cfg) -> list[str]:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.selector import _cached_get_attn_backend, get_attn_backend
+
+    from vllm_chunkattn.ops.cuda_fit import PARTIAL_SMEM_BYTES
     failures = []
     stand_in_device(L4)
     try:
@@ -113,7 +111,7 @@ def refused_where_it_cannot_serve(cfg) -> list[str]:
                 line, ok = f"L4 head {head_size}: {got}", not refused and got == "CUSTOM"
             except ValueError as e:
                 line = f"L4 head {head_size}: refused: {' '.join(str(e).split())[:240]}"
-                ok = refused and "needs 102144 bytes of shared memory" in str(e)
+                ok = refused and f"needs {PARTIAL_SMEM_BYTES[256]} bytes of shared memory" in str(e)
             print(line)
             if not ok:
                 failures.append(line)
