@@ -162,6 +162,36 @@ def test_a_new_builder_releases_the_views_of_the_old_kv_cache(vllm_config):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_sharing_counters_count_served_rows_not_vllms_dummy_batches(vllm_config):
+    """On a GPU, vLLM warms each FULL-graph size up with an eager dummy batch through build()
+    (and an idle data-parallel rank steps on one): rows on the null block 0, seq_len 1 or a
+    made-up context. Those are no served decode, so /metrics' counters must not move; a served
+    step then adds exactly its rows, their lengths and the chunks they share."""
+    from vllm_chunkattn.plugin.sharing_stats import SHARING_STATS
+    builder = make_builder(vllm_config)
+    before = SHARING_STATS.as_dict()
+    for context in (1, 3 * BS + 5):                       # V2 profiles with a dummy context
+        table = torch.zeros(6, 4, dtype=torch.int32)
+        with set_current_vllm_config(vllm_config):
+            md = builder.build(0, _decode_metadata(table, torch.full((6,), context,
+                                                                      dtype=torch.int32)))
+        assert md.num_decodes == 6 and md.plan is not None   # still planned and run
+    assert {k: SHARING_STATS.as_dict()[k] for k in ("decode_steps", "decode_rows", "kv_tokens",
+                                                    "shared_kv_tokens")} == {
+        k: before[k] for k in ("decode_steps", "decode_rows", "kv_tokens", "shared_kv_tokens")}
+    # Served: rows 0-2 share blocks 4 and 5 (2 full chunks), row 3 is graph padding.
+    table = torch.tensor([[4, 5, 6, 0], [4, 5, 7, 0], [4, 5, 8, 0], [0, 0, 0, 0]],
+                         dtype=torch.int32)
+    seq_lens = torch.tensor([2 * BS + 1, 2 * BS + 7, 3 * BS, 0], dtype=torch.int32)
+    with set_current_vllm_config(vllm_config):
+        builder.build(0, _decode_metadata(table, seq_lens))
+    after = SHARING_STATS.as_dict()
+    assert after["decode_steps"] == before["decode_steps"] + 1
+    assert after["decode_rows"] == before["decode_rows"] + 3
+    assert after["kv_tokens"] == before["kv_tokens"] + 7 * BS + 8
+    assert after["shared_kv_tokens"] == before["shared_kv_tokens"] + 2 * 2 * BS
+
+
 def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm_config):
     """#9 CUDA graphs: the builder declares uniform single-token decode graphs. A batch size it
     was captured at (build_for_cudagraph_capture, on vLLM's dummy batch: seq_len 1, null

@@ -206,10 +206,8 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                              self._num_kv_blocks() if plans.check_on_host else None)
             decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
                                self.device, workspace)
-            if record_stats:         # rows past vLLM's real ones (graph padding) have seq_len 0
-                SHARING_STATS.record(int((decode_seq_lens > 0).sum()), int(decode_seq_lens.sum()),
-                                     plans.shared_kv_tokens, self._num_plan_builds(),
-                                     num_prefills > 0)
+            if record_stats:
+                self._record_sharing(host_table, decode_seq_lens, plans, num_prefills > 0)
         prefill = None
         if num_prefills:
             rows = slice(num_decodes, cm.num_reqs)
@@ -235,6 +233,19 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             self.graph_plans[num_seqs] = (PlanCache(self.block_size, self.device,
                                                     capacity=cap), ws)
         return self.graph_plans[num_seqs]
+
+    def _record_sharing(self, host_table: np.ndarray, seq_lens: np.ndarray, plans: PlanCache,
+                        with_prefill: bool) -> None:
+        """Counts a step's served decode rows. Not served: rows past vLLM's real ones (graph
+        padding, seq_len 0), and the rows of vLLM's dummy batches (the warm-up runs before graph
+        capture, an idle data-parallel rank's step), which point at the null block 0 that the KV
+        manager never hands to a request."""
+        served = seq_lens > 0
+        if host_table.shape[1]:
+            served &= host_table[:, 0] != 0
+        if served.any():
+            SHARING_STATS.record(int(served.sum()), int(seq_lens[served].sum()),
+                                 plans.shared_kv_tokens, self._num_plan_builds(), with_prefill)
 
     def _num_plan_builds(self) -> int:
         return self.plans.num_builds + sum(p.num_builds for p, _ in self.graph_plans.values())
