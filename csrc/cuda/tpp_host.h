@@ -56,7 +56,7 @@ inline void check_tensor_core_args(const TppSizes& s, const at::Tensor& query, c
               "tpp_decode: partial_o's data must be 8-byte aligned on CUDA (read as float2)");
 }
 
-// How one call's work is cut into CTAs: the TppParams fields of that name (tpp_kernels.cuh).
+// How one call's work is cut into CTAs: the TppParams fields of that name (tpp_params.cuh).
 struct TppWork {
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;

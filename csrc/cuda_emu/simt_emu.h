@@ -1,4 +1,4 @@
-// A CPU stand-in for the part of CUDA that csrc/cuda/tpp_kernels.cuh uses, so that its kernels,
+// A CPU stand-in for the part of CUDA that csrc/cuda/tpp_kernels.cuh (and the headers it includes) uses, so that its kernels,
 // unchanged, run in tests on a machine without a GPU (tests/test_cuda_simt_emulation.py).
 //
 // Each CUDA thread of a CTA is a fiber (simt_emu.cpp); CTAs run one after another. The warp
@@ -11,7 +11,7 @@
 // part of a warp, or __syncthreads after threads exited, is an error; a dependent launch's CTA
 // (the op's final kernel, which may overlap the partial one on a GPU) finds the partial slots NaN
 // until it waits for the primary grid (tpp_decode_emulated.cpp).
-// Included by tpp_kernels.cuh in place of the CUDA headers when CHUNKATTN_SIMT_EMULATION is set.
+// Included by tpp_params.cuh in place of the CUDA headers when CHUNKATTN_SIMT_EMULATION is set.
 #pragma once
 
 #include <c10/util/BFloat16.h>

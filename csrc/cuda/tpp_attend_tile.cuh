@@ -1,0 +1,292 @@
+// One CTA's attention of up to 64 rows against a run of KV tokens, on tensor cores (mma.sync
+// m16n8k16, fp32 accumulation): the smem layout, the cp.async KV pipeline, the online softmax
+// and the merge of partial states. Both kernels of tpp_kernels.cuh run it.
+//
+// Inside a CTA (4 warps): warp w owns row block w % WM (16 rows) and KV part w / WM of every
+// smem stage of kTokens tokens; KV parts are merged through smem at the end. Softmax runs in the
+// log2 domain (scores * scale * log2 e); states leave the kernel with natural-log m.
+#pragma once
+
+#include "tpp_params.cuh"
+
+namespace chunkattn {
+
+// exp2 offset for a running max: an empty state (m = -inf) uses 0 so -inf - (-inf) never occurs.
+__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
+
+// ---- Shared-memory layout of one CTA ----
+//   [row meta: int64 q offset x kMaxRows, int out index x kMaxRows][Q rows][KV stages]
+template <typename T, int D>
+struct Smem {
+  int64_t* row_q;  // element offset of the row's query vector, -1 = absent row
+  int* row_out;    // partial: slot * num_heads + head; final: head; -1 = absent row
+  T* q;
+  T* kv;           // stage s: K at kv + s*2*kTokens*kLd, V right after
+  __device__ Smem(char* base, int max_rows) {
+    using S = TileShape<D>;
+    row_q = reinterpret_cast<int64_t*>(base);
+    row_out = reinterpret_cast<int*>(base + kMaxRows * 8);
+    q = reinterpret_cast<T*>(base + ((S::kMetaBytes + 15) / 16) * 16);
+    kv = q + max_rows * S::kLd;
+  }
+};
+
+// Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
+                                              int t0, int t_end, int kv_head) {
+  using S = TileShape<D>;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per token row
+  const T* key = static_cast<const T*>(p.key);
+  const T* value = static_cast<const T*>(p.value);
+  const int mask = (1 << p.block_size_log2) - 1;
+  for (int idx = threadIdx.x; idx < S::kTokens * kChunks; idx += kThreads) {
+    const int tok = idx / kChunks, c = idx % kChunks, t = t0 + tok;
+    const T* gk = key;
+    const T* gv = value;
+    int bytes = 0;
+    if (t < t_end) {
+      const int64_t blk = __ldg(ids + (t >> p.block_size_log2));
+      const int64_t off = t & mask;
+      gk = key + blk * p.k_stride_block + off * p.k_stride_tok + kv_head * p.k_stride_head + c * 8;
+      gv = value + blk * p.v_stride_block + off * p.v_stride_tok + kv_head * p.v_stride_head +
+           c * 8;
+      bytes = 16;
+    }
+    cp_async_16(sk + tok * S::kLd + c * 8, gk, bytes);
+    cp_async_16(sv + tok * S::kLd + c * 8, gv, bytes);
+  }
+}
+
+// Merges slot `idx` (natural-log m) into a thread's share of one row's state (log2-domain m).
+template <int D>
+__device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int lane, float o[][4],
+                                           int r, float& m2, float& l) {
+  const float pm2 = p.partial_m[idx] * kLog2e;  // -inf stays -inf
+  const float pl = p.partial_l[idx];
+  const float mn = fmaxf(m2, pm2), ms = safe_max(mn);
+  const float a = exp2f(m2 - ms), b = exp2f(pm2 - ms);
+  const float* po = p.partial_o + idx * D + 2 * (lane % 4);
+#pragma unroll
+  for (int nb = 0; nb < D / 8; ++nb) {
+    const float2 v = *reinterpret_cast<const float2*>(po + nb * 8);
+    o[nb][2 * r] = o[nb][2 * r] * a + v.x * b;
+    o[nb][2 * r + 1] = o[nb][2 * r + 1] * a + v.y * b;
+  }
+  l = l * a + pl * b;
+  m2 = mn;
+}
+
+// Attention of up to 16*WM rows (described in smem row meta) against tokens [t_begin, t_end) of
+// the KV run `ids`, for one kv head. FINAL = false: writes each row's state to its slot.
+// FINAL = true: rows are q heads of sequence `seq`; merges the row's slots and writes out/lse.
+template <typename T, int D, int WM, bool FINAL>
+__device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int* ids, int t_begin,
+                            int t_end, int kv_head, int seq) {
+  using S = TileShape<D>;
+  constexpr int kParts = (kWarps / WM) < S::kMaxParts ? (kWarps / WM) : S::kMaxParts;
+  constexpr int kTokW = S::kTokens / kParts;  // tokens of one warp per stage
+  constexpr int kLd = S::kLd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int rb = warp % WM, part = warp / WM;
+  const bool active = part < kParts;
+
+  // Q rows (absent rows zero-filled) go with the first KV stage's commit group.
+  const T* query = static_cast<const T*>(p.query);
+  for (int idx = threadIdx.x; idx < 16 * WM * (D / 8); idx += kThreads) {
+    const int r = idx / (D / 8), c = idx % (D / 8);
+    const int64_t off = sm.row_q[r];
+    cp_async_16(sm.q + r * kLd + c * 8, off >= 0 ? query + off + c * 8 : query, off >= 0 ? 16 : 0);
+  }
+  const int num_tokens = t_end > t_begin ? t_end - t_begin : 0;
+  const int num_stages = (num_tokens + S::kTokens - 1) / S::kTokens;
+  constexpr int kStageElems = 2 * S::kTokens * kLd;
+  if (num_stages > 0)
+    load_kv_stage<T, D>(p, sm.kv, sm.kv + S::kTokens * kLd, ids, t_begin, t_end, kv_head);
+  cp_async_commit();
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int nb = 0; nb < D / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
+  float m2[2] = {-INFINITY, -INFINITY};  // rows lane/4 and lane/4 + 8 of the row block
+  float l[2] = {0.f, 0.f};               // this thread's share; quad-summed after the loop
+
+  for (int it = 0; it < num_stages; ++it) {
+    if (it + 1 < num_stages) {
+      T* nxt = sm.kv + ((it + 1) % S::kStages) * kStageElems;
+      load_kv_stage<T, D>(p, nxt, nxt + S::kTokens * kLd, ids, t_begin + (it + 1) * S::kTokens,
+                          t_end, kv_head);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (active) {
+      const T* sq = sm.q + rb * 16 * kLd;
+      const T* sk = sm.kv + (it % S::kStages) * kStageElems + part * kTokW * kLd;
+      const T* sv = sk + S::kTokens * kLd;
+      float s[kTokW / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < kTokW / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sq + (lane % 16) * kLd + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int j = 0; j < kTokW / 16; ++j) {
+          uint32_t b[4];  // K rows are tokens: non-transposed B (k = head dim, n = token)
+          ldmatrix_x4(b, sk + (j * 16 + (lane % 8) + (lane / 16) * 8) * kLd + kk * 16 +
+                             ((lane / 8) % 2) * 8);
+          mma_16816<T>(s[2 * j], a, b[0], b[1]);
+          mma_16816<T>(s[2 * j + 1], a, b[2], b[3]);
+        }
+      }
+      // Scale into the log2 domain, mask tokens past t_end, online softmax per row.
+      const int tok0 = t_begin + it * S::kTokens + part * kTokW + 2 * (lane % 4);
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nb = 0; nb < kTokW / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool valid = tok0 + nb * 8 + (e & 1) < t_end;
+          s[nb][e] = valid ? s[nb][e] * p.scale_log2 : -INFINITY;
+          mx[e / 2] = fmaxf(mx[e / 2], s[nb][e]);
+        }
+      float ms[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+        const float mn = fmaxf(m2[r], mx[r]);
+        ms[r] = safe_max(mn);
+        alpha[r] = exp2f(m2[r] - ms[r]);  // 0 while the state is still empty
+        m2[r] = mn;
+        l[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb) {
+        o[nb][0] *= alpha[0];
+        o[nb][1] *= alpha[0];
+        o[nb][2] *= alpha[1];
+        o[nb][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int nb = 0; nb < kTokW / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nb][e] = exp2f(s[nb][e] - ms[e / 2]);
+          l[e / 2] += s[nb][e];
+        }
+      // P (C layout of two n8 blocks) is exactly the A fragment of a k16 step.
+#pragma unroll
+      for (int ks = 0; ks < kTokW / 16; ++ks) {
+        uint32_t pa[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]),
+                          pack2<T>(s[2 * ks][2], s[2 * ks][3]),
+                          pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                          pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+        for (int db = 0; db < D / 16; ++db) {
+          uint32_t b[4];  // V rows are tokens: transposed B (k = token, n = head dim)
+          ldmatrix_x4_trans(b, sv + (ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kLd +
+                                   db * 16 + (lane / 16) * 8);
+          mma_16816<T>(o[2 * db], pa, b[0], b[1]);
+          mma_16816<T>(o[2 * db + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the stage is overwritten by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+  }
+
+  // Merge the KV parts of each row block through smem (aliases the now idle KV stages).
+  if constexpr (kParts > 1) {
+    __syncthreads();
+    float* red_o = reinterpret_cast<float*>(sm.kv);
+    float* red_ml = red_o + (kWarps - 1) * 16 * D;
+    if (active && part > 0) {
+      const int slot = (part - 1) * WM + rb;
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red_o[(slot * (D / 2) + nb * 4 + e) * 32 + lane] = o[nb][e];
+      if (lane % 4 == 0)
+        for (int r = 0; r < 2; ++r) {
+          red_ml[(slot * 16 + lane / 4 + 8 * r) * 2] = m2[r];
+          red_ml[(slot * 16 + lane / 4 + 8 * r) * 2 + 1] = l[r];
+        }
+    }
+    __syncthreads();
+    if (part == 0) {
+      for (int q = 1; q < kParts; ++q) {
+        const int slot = (q - 1) * WM + rb;
+        float a[2], b[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float qm = red_ml[(slot * 16 + lane / 4 + 8 * r) * 2];
+          const float ql = red_ml[(slot * 16 + lane / 4 + 8 * r) * 2 + 1];
+          const float mn = fmaxf(m2[r], qm), ms = safe_max(mn);
+          a[r] = exp2f(m2[r] - ms);
+          b[r] = exp2f(qm - ms);
+          l[r] = l[r] * a[r] + ql * b[r];
+          m2[r] = mn;
+        }
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            o[nb][e] = o[nb][e] * a[e / 2] + red_o[(slot * (D / 2) + nb * 4 + e) * 32 + lane] * b[e / 2];
+      }
+    }
+  }
+  if (part != 0) return;
+  // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
+  // partial slots are complete and visible only past this point.
+  if constexpr (FINAL) wait_for_primary_grid();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = rb * 16 + lane / 4 + 8 * r;
+    const int out_idx = sm.row_out[row];
+    if (out_idx < 0) continue;
+    if constexpr (!FINAL) {
+      float* po = p.partial_o + int64_t(out_idx) * D + 2 * (lane % 4);
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb)
+        *reinterpret_cast<float2*>(po + nb * 8) = make_float2(o[nb][2 * r], o[nb][2 * r + 1]);
+      if (lane % 4 == 0) {
+        p.partial_m[out_idx] = m2[r] * kLn2;  // natural log; -inf stays -inf
+        p.partial_l[out_idx] = l[r];
+      }
+    } else {
+      // out_idx is the q head. Merge order: the row's partials (each over its KV splits), then
+      // tail splits 1.. (split 0 is this CTA's own state).
+      const int h = out_idx;
+      const int k_end = p.seq_partial_indptr[seq + 1];
+      for (int k = p.seq_partial_indptr[seq]; k < k_end; ++k) {
+        const int j = p.seq_partial_ids[k];
+        for (int s = 0; s < p.chunk_splits; ++s)
+          merge_slot<D>(p, (int64_t(s) * p.num_partials + j) * p.num_heads + h, lane, o, r,
+                        m2[r], l[r]);
+      }
+      for (int s = 1; s < p.seq_splits; ++s) {
+        const int64_t slot = int64_t(p.chunk_splits) * p.num_partials +
+                             int64_t(seq) * (p.seq_splits - 1) + (s - 1);
+        merge_slot<D>(p, slot * p.num_heads + h, lane, o, r, m2[r], l[r]);
+      }
+      const float inv = 1.f / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
+      T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + h * p.out_stride_head +
+               2 * (lane % 4);
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb)
+        store2<T>(out + nb * 8, o[nb][2 * r] * inv, o[nb][2 * r + 1] * inv);
+      if (p.lse != nullptr && lane % 4 == 0)  // natural log; empty row: -inf
+        p.lse[seq * p.lse_stride_seq + h * p.lse_stride_head] = m2[r] * kLn2 + logf(l[r]);
+    }
+  }
+}
+
+}  // namespace chunkattn
