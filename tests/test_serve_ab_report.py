@@ -18,9 +18,11 @@ CAPACITY = 100_000                                    # KV tokens, from the serv
 # (system, round) -> workload -> (output tok/s, peak KV usage fraction, failed requests)
 RUNS = {
     ("stock", 1): {"random": (1000.0, 0.50, 0), "prefix1x2k": (1000.0, 0.30, 0),
-                   "n8x1k": (500.0, 0.20, 0)},
+                   "n8x1k": (500.0, 0.20, 0), "prefix1x2k_c128": (1200.0, 0.40, 0),
+                   "prefix4x2k": (1000.0, 0.40, 0)},
     ("custom", 1): {"random": (1040.0, 0.55, 0), "prefix1x2k": (1700.0, 0.10, 0),
-                    "n8x1k": (900.0, 0.05, 0)},
+                    "n8x1k": (900.0, 0.05, 0), "prefix1x2k_c128": (2400.0, 0.10, 0),
+                    "prefix4x2k": (1100.0, 0.20, 0)},
     ("custom", 2): {"random": (1020.0, 0.55, 0), "prefix1x2k": (1500.0, 0.10, 3),
                     "n8x1k": (900.0, 0.05, 0)},
     ("stock", 2): {"random": (1100.0, 0.50, 0), "prefix1x2k": (1000.0, 0.30, 0),
@@ -78,7 +80,7 @@ def report(tmp_path):
 
 def test_rounds_are_combined_by_median_and_a_lossy_round_is_left_out(report):
     rounds, combined, _ = report
-    assert len(rounds) == 12
+    assert len(rounds) == 16
     lossy = [r for r in rounds if r["status"] != "ok"]
     assert [(r["system"], r["round"], r["workload"], r["status"]) for r in lossy] == [
         ("custom", "2", "prefix1x2k", "3 requests failed")]
@@ -99,10 +101,13 @@ def test_tpot_is_per_sequence_and_kv_peaks_scale_by_capacity(report):
 
 def test_goals_and_setup_in_the_markdown(report):
     _, _, md = report
-    # 1700 / 1000 = 1.70 >= 1.6; 1030 / 1050 = 0.981 >= 0.98; KV worst: random 55k vs 50k = +10 %
+    # 1700 / 1000 = 1.70 >= 1.6; 128 concurrent: 2400 / 1200 = 2.00; 1030 / 1050 = 0.981 >= 0.98;
+    # KV worst: random 55k vs 50k = +10 %. prefix4x2k (4 prefixes of 2048) is not the goal's.
     assert "at 2048 shared tokens (prefix1x2k): **1.70×** (goal ≥ 1.6×): met" in md
+    assert "at 2048 shared tokens (prefix1x2k_c128): **2.00×** (goal ≥ 1.6×): met" in md
+    assert "(prefix4x2k): " not in md
     assert "at 0 shared tokens (random): **0.98×** (goal ≥ 0.98×): met" in md
-    assert "worst over 3 workloads: **+10 %** (random; goal ≤ +0 %): NOT met" in md
+    assert "worst over 5 workloads: **+10 %** (random; goal ≤ +0 %): NOT met" in md
     assert "NVIDIA H100 80GB HBM3" in md and "CUSTOM native kernel: native-cuda" in md
     assert "decode, FULL" in md and "stock 2, custom 2" in md
     assert "vllm serve /tmp/models/llama-3-8b --dtype bfloat16 (stock-r1)" in md
@@ -123,7 +128,7 @@ def test_the_device_summary_has_the_reports_rows(tmp_path):
         t.extractall(run, filter="data")
     md = serve_ab_report.summary(run, call / "server_stock-r1.log", "stock-r1")
     lines = md.splitlines()
-    assert lines[0].startswith("# stock-r1:") and len(lines) == 4 + 3
+    assert lines[0].startswith("# stock-r1:") and len(lines) == 4 + 5
     # random: 1000 tok/s, peak KV 0.50; n8x1k TPOT per sequence: (1.5 + 2.5) / 2 / 255 s
     assert "| random | 2 | 1000.0 | 7.84 |" in md and "| 50.0 | 32 |" in md
     assert f"| n8x1k | 2 | 500.0 | {1e3 * 2.0 / 255:.2f} |" in md
