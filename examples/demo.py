@@ -19,7 +19,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_chunkattn.bench.ab import STATS_INTERVAL_S, MetricsSampler, kv_capacity_tokens
+from vllm_chunkattn.bench.ab import STATS_INTERVAL_S
+from vllm_chunkattn.bench.server_client import MetricsSampler, kv_capacity_tokens
 from vllm_chunkattn.serve import ServerError, ServerProcess
 from vllm_chunkattn.tiny_model import _WORDS, ensure_tiny_model
 

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from vllm_chunkattn.bench import provenance
-from vllm_chunkattn.bench.ab import (SERVED_NAME, TINY_SERVER_ARGS, kv_capacity_tokens, log,
-                                     run_workload, tiny_request)
+from vllm_chunkattn.bench.ab import TINY_SERVER_ARGS, run_workload
 from vllm_chunkattn.bench.ab_workloads import full_workloads
+from vllm_chunkattn.bench.server_client import SERVED_NAME, kv_capacity_tokens, log, tiny_request
 from vllm_chunkattn.model_shapes import has_weights
 from vllm_chunkattn.serve import ServerProcess
 

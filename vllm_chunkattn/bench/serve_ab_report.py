@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from . import ab_report
-from .ab import latency_metrics
+from .server_client import latency_metrics
 
 # serve_ab.sh's workloads: what each shares (ab_report's columns).
 WORKLOADS = {

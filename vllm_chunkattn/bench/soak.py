@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from vllm_chunkattn.bench import provenance
-from vllm_chunkattn.bench.ab import MetricsSampler, healthy, log, post, scrape
+from vllm_chunkattn.bench.server_client import MetricsSampler, healthy, log, post, scrape
 from vllm_chunkattn.bench.soak_workload import SERVED_NAME, SoakRequest, make_requests
 from vllm_chunkattn.serve import KERNEL_IN_USE, ServerProcess, engine_modes
 
