@@ -31,7 +31,7 @@ ENV = "CHUNKATTN_METRICS_DIR"
 
 METRICS = {   # key in the writers' snapshots -> (name, type, help)
     "kv_tokens": ("chunkattn:decode_kv_tokens", "counter",
-                  "KV tokens read by decode attention (sum of the decode rows' lengths)"),
+                  "KV tokens read by decode attention (sum of the served decode rows' lengths)"),
     "shared_kv_tokens": ("chunkattn:decode_shared_kv_tokens", "counter",
                          "Of the decode KV tokens, those served by a chunk read once for several "
                          "rows: sum over shared chunks of (sharers - 1) * tokens"),
