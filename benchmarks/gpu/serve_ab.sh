@@ -42,25 +42,24 @@ write_tree_jsonl(tree(1024, 4, 512, 16), Path('$TREE'), words)"
 # 64 requests, 32 at a time (the issue's "2K shared x >= 32 concurrent"), 256 output tokens each
 # (--ignore-eos: dummy weights would otherwise stop at random); the tree's outputs are 128-512.
 # prefix1x2k_c128: the same prompts, 4x as many, 128 at a time. At 32 the 8B shape's decode step
-# reads 16 GB of weights beside ~10 GB of KV, so even free attention gives at most ~1.5x there
+# reads 15 GB of weights beside ~10 GB of KV, so even free attention gives at most ~1.5x there
 # (README.md, "Where the serving goal can show"); at 128, ~2.7x.
 # JSON without spaces: the flags are word-split.
 COMMON=(--num-prompts "$N" --max-concurrency 32 --ignore-eos)
+prefix_repetition() {   # number of 2048-token prefixes, then the load's flags
+  local k=$1; shift
+  echo --dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 \
+       --prefix-repetition-suffix-len 160 --prefix-repetition-num-prefixes "$k" \
+       --prefix-repetition-output-len "$OUT_LEN" "$@"
+}
 workload() {
   case $1 in
     random)     echo --dataset-name random --random-input-len 2208 --random-output-len "$OUT_LEN" \
                      --random-range-ratio 0 "${COMMON[@]}" ;;
-    prefix1x2k) echo --dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 \
-                     --prefix-repetition-suffix-len 160 --prefix-repetition-num-prefixes 1 \
-                     --prefix-repetition-output-len "$OUT_LEN" "${COMMON[@]}" ;;
+    prefix1x2k) prefix_repetition 1 "${COMMON[@]}" ;;
     prefix1x2k_c128)
-                echo --dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 \
-                     --prefix-repetition-suffix-len 160 --prefix-repetition-num-prefixes 1 \
-                     --prefix-repetition-output-len "$OUT_LEN" --num-prompts $((4 * N)) \
-                     --max-concurrency 128 --ignore-eos ;;
-    prefix4x2k) echo --dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 \
-                     --prefix-repetition-suffix-len 160 --prefix-repetition-num-prefixes 4 \
-                     --prefix-repetition-output-len "$OUT_LEN" "${COMMON[@]}" ;;
+                prefix_repetition 1 --num-prompts $((4 * N)) --max-concurrency 128 --ignore-eos ;;
+    prefix4x2k) prefix_repetition 4 "${COMMON[@]}" ;;
     n8x1k)      echo --dataset-name random --random-input-len 1024 --random-output-len "$OUT_LEN" \
                      --random-range-ratio 0 --num-prompts $((N / 4)) --max-concurrency 4 \
                      --ignore-eos \

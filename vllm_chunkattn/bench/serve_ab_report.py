@@ -181,8 +181,9 @@ def main(argv=None) -> int:
              "budget_min": 0, "slo_ms": float("inf"), "goals": GPU_GOALS, "sample_s": 0.25,
              "client": "`vllm bench serve` from benchmarks/gpu/serve_ab.sh (`--ignore-eos "
                        "--seed 0 --save-detailed`, 32 concurrent; prefix1x2k_c128: 128 "
-                       "concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); one server per system and round runs the workloads in "
-                       "turn, no prefix-cache reset between them (their prompts share nothing)",
+                       "concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); one server per "
+                       "system and round runs the workloads in turn, no prefix-cache reset between "
+                       "them (their prompts share nothing)",
              "workloads": [(w, prompts.get(w, ""), float("inf"), flags[w]) for w in WORKLOADS
                            if flags[w] != "?"]}
     paths = ab_report.write(rows, setup, a.out, a.tag)

@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
-SERVED_NAME = "tiny"
+from .server_client import SERVED_NAME
 # Share of each kind in the mix (the bad-input kinds split their share in turn).
 MIX = {"greedy": 0.45, "greedy-stream": 0.15, "sampled-n": 0.12, "disconnect": 0.15,
        "overlong": 0.04, "bad-input": 0.09}
