@@ -168,6 +168,7 @@ def test_sharing_counters_count_served_rows_not_vllms_dummy_batches(vllm_config)
     made-up context. Those are no served decode, so /metrics' counters must not move; a served
     step then adds exactly its rows, their lengths and the chunks they share."""
     from vllm_chunkattn.plugin.sharing_stats import SHARING_STATS
+    counters = ("decode_steps", "decode_rows", "kv_tokens", "shared_kv_tokens")
     builder = make_builder(vllm_config)
     before = SHARING_STATS.as_dict()
     for context in (1, 3 * BS + 5):                       # V2 profiles with a dummy context
@@ -176,9 +177,8 @@ def test_sharing_counters_count_served_rows_not_vllms_dummy_batches(vllm_config)
             md = builder.build(0, _decode_metadata(table, torch.full((6,), context,
                                                                       dtype=torch.int32)))
         assert md.num_decodes == 6 and md.plan is not None   # still planned and run
-    assert {k: SHARING_STATS.as_dict()[k] for k in ("decode_steps", "decode_rows", "kv_tokens",
-                                                    "shared_kv_tokens")} == {
-        k: before[k] for k in ("decode_steps", "decode_rows", "kv_tokens", "shared_kv_tokens")}
+    unchanged = SHARING_STATS.as_dict()
+    assert {k: unchanged[k] for k in counters} == {k: before[k] for k in counters}
     # Served: rows 0-2 share blocks 4 and 5 (2 full chunks), row 3 is graph padding.
     table = torch.tensor([[4, 5, 6, 0], [4, 5, 7, 0], [4, 5, 8, 0], [0, 0, 0, 0]],
                          dtype=torch.int32)
