@@ -153,6 +153,15 @@ overlap_fallback() {
     overlap-final "${#ids[@]}" "$SESSION_ENV" >> "$SUMMARY"
 }
 if (( build_rc == 0 )); then
+  # ---- FlashInfer's JIT build, detached and niced, started before the tests: it compiles on
+  # the cores the GPU tests and the sanitizer leave idle, and runs on while later calls do, so
+  # the bench finds its modules cached (~/.cache/flashinfer) instead of waiting minutes on nvcc
+  if want flashinfer-warm && "$PY" -c "import flashinfer" 2>/dev/null; then
+    setsid nohup nice -n 15 timeout 300 "${WARM_CMD[@]}" > "$WARM_STATE.log" 2>&1 < /dev/null &
+    echo $! > "$WARM_STATE.pid"
+    printf '%-22s started detached (pid %s, %s.log)\n' flashinfer-warm $! "$WARM_STATE" >> "$SUMMARY"
+  fi
+
   # ---- tests: every GPU test (the files that mark any), then the host-side CUDA tests
   xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
   ptimeout=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=150")
@@ -196,14 +205,6 @@ if (( build_rc == 0 )); then
     done
   elif want sanitizer; then
     printf '%-22s SKIPPED (compute-sanitizer not found)\n' sanitizer >> "$SUMMARY"
-  fi
-
-  # ---- FlashInfer's JIT build, detached: it runs on while the next calls (the vLLM bundle's
-  # parts) do, and the bench call later finds its modules cached (~/.cache/flashinfer)
-  if want flashinfer-warm && "$PY" -c "import flashinfer" 2>/dev/null; then
-    setsid nohup timeout 300 "${WARM_CMD[@]}" > "$WARM_STATE.log" 2>&1 < /dev/null &
-    echo $! > "$WARM_STATE.pid"
-    printf '%-22s started detached (pid %s, %s.log)\n' flashinfer-warm $! "$WARM_STATE" >> "$SUMMARY"
   fi
 
   # ---- the benchmarks below, detached (detached_bench.sh): they run on while the next calls
