@@ -72,6 +72,11 @@ stage env 60 "$WORK/env.log" env PY="$PY" bash -c '
     torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
   "$PY" -c "from torch.utils import cpp_extension as c; print(\"CUDA_HOME (torch guess)\", c.CUDA_HOME)"
   "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|triton|pytest|flashinfer|apache-tvm-ffi) "
+  # The host compiler the JIT build uses and its default string ABI against torch'"'"'s (jit_build.abi_flag)
+  cxx=$("$PY" -c "from torch.utils.cpp_extension import get_cxx_compiler as c; print(c())" 2>/dev/null || echo c++)
+  echo "C++ compiler $cxx: $("$cxx" --version | head -1)"
+  echo "#include <string>" | "$cxx" -x c++ -E -dM - 2>/dev/null | grep -E "define _GLIBCXX_USE_CXX11_ABI" || echo "(compiler default ABI macro not found)"
+  "$PY" -c "import torch; print(\"torch _GLIBCXX_USE_CXX11_ABI\", int(torch._C._GLIBCXX_USE_CXX11_ABI))"
   nproc; free -g | head -2'
 
 # ---- FlashInfer from carried wheels (benchmarks/gpu/fetch_wheels.sh), into $FI_SITE

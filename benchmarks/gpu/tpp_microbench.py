@@ -47,7 +47,8 @@ def make(batch, prefix, tail, groups, num_heads, num_kv_heads, head_size, block_
 
 
 def graph_of(fn, iters=ITERS) -> torch.cuda.CUDAGraph:
-    """fn captured iters times in one graph: replayed, it is launched as vLLM's graphs launch it."""
+    """fn captured iters times in one graph: replayed, it is launched as vLLM's graphs launch it.
+    The graph holds fn (its plan, workspace and output, read by address at every replay)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -56,6 +57,7 @@ def graph_of(fn, iters=ITERS) -> torch.cuda.CUDAGraph:
             fn()
     g.replay()
     torch.cuda.synchronize()
+    g.captured_fn = fn   # freed, its tensors' blocks would go to the next plan (first H200 run)
     return g
 
 

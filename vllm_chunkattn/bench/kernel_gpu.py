@@ -81,6 +81,10 @@ def cuda_graph(fn):
     def replay():
         graph.replay()
         return out
+    # The graph reads, by address, what fn holds (its TppLaunch's plan and workspace, a FlashInfer
+    # wrapper's buffers), and nothing else keeps fn: freed, those blocks went to later tensors and
+    # the replays read them (the first H200 run: wrong outputs, then an illegal address).
+    replay.captured_fn = fn
     return replay
 
 
