@@ -160,6 +160,10 @@ def _load(csrc_dir: Path, name: str, sources, key: str, verbose: bool, **flags) 
     from torch.utils import cpp_extension
 
     flags["extra_cflags"] = [*flags.get("extra_cflags", []), abi_flag()]
+    # The shared libstdc++ torch uses, named first: the GPU image's g++ wrapper links its static
+    # archive, and a second, static libstdc++ in our library segfaulted in ostream (every
+    # TORCH_CHECK message) on the first H200 run.
+    flags["extra_ldflags"] = ["-l:libstdc++.so.6", *flags.get("extra_ldflags", [])]
     if any(str(s).endswith(".cu") for s in sources):
         flags["extra_cuda_cflags"] = [*flags.get("extra_cuda_cflags", []), abi_flag()]
     key = f"{key} {abi_flag()}"
