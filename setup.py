@@ -16,14 +16,15 @@ CUDA_GENCODE = ["-gencode", "arch=compute_80,code=sm_80",
                 "-gencode", "arch=compute_80,code=compute_80"]
 
 
+# The shared libstdc++ first: some g++ wrappers (the GPU image's /opt/gcc) link it statically,
+# and a private copy segfaults formatting TORCH_CHECK messages (vllm_chunkattn/ops/jit_build.py).
+LINK = ["-fopenmp", "-l:libstdc++.so.6"]
+
+
 def extension():
     # csrc/*.cpp: the schemas and the host plan check; csrc/cpu: the CPU kernel.
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    # torch's string ABI named explicitly (cpp_extension leaves it to the compiler's default;
-    # vllm_chunkattn/ops/jit_build.py abi_flag says why).
-    import torch
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    cxx = ["-O3", "-std=c++17", "-fopenmp", abi]
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
     want_cuda = os.environ.get("CHUNKATTN_BUILD_CUDA",
                                "1" if cpp_extension.CUDA_HOME and _torch_has_cuda() else "0")
     if want_cuda == "1":
@@ -31,10 +32,10 @@ def extension():
             "vllm_chunkattn._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
             extra_compile_args={"cxx": cxx,
                                 "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr",
-                                         abi, *CUDA_GENCODE]},
-            extra_link_args=["-fopenmp"])
+                                         *CUDA_GENCODE]},
+            extra_link_args=LINK)
     return cpp_extension.CppExtension("vllm_chunkattn._C", sources,
-                                      extra_compile_args=cxx, extra_link_args=["-fopenmp"])
+                                      extra_compile_args=cxx, extra_link_args=LINK)
 
 
 def _torch_has_cuda():

@@ -457,3 +457,39 @@ def test_flashinfer_graph_contenders_and_a_capture_that_fails(monkeypatch):
     assert len(captures) == 2                              # only ours: no retry of FlashInfer's
     assert missing["fi_cascade_graph"].startswith("capture failed on an earlier point")
     assert {"fi_decode", "fi_cascade"} <= set(fns)          # the eager calls still run
+
+
+def test_a_captured_graph_keeps_what_its_replays_read(monkeypatch):
+    """A CUDA graph reads its inputs by address at every replay: cuda_graph's replay must hold
+    the captured callable (its TppLaunch's plan and workspace), or those blocks go to later
+    tensors. The first H200 run replayed freed plans: wrong outputs, then an illegal address.
+    torch.cuda's graph API is stood in for, so this runs without a GPU."""
+    import contextlib
+    import gc
+    import types
+    import weakref
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            pass
+    fake = types.SimpleNamespace(Stream=Stream, current_stream=Stream, CUDAGraph=Graph,
+                                 stream=lambda s: contextlib.nullcontext(),
+                                 graph=lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(kernel_gpu.torch, "cuda", fake)
+
+    class Launch:                      # what ours() closes over: plan and workspace tensors
+        def __call__(self):
+            return "out"
+    launch = Launch()
+    alive = weakref.ref(launch)
+    replay = kernel_gpu.cuda_graph(launch)
+    del launch
+    gc.collect()
+    assert alive() is not None and replay() == "out"
+    del replay
+    gc.collect()
+    assert alive() is None             # held by the replay, not leaked

@@ -72,11 +72,9 @@ stage env 60 "$WORK/env.log" env PY="$PY" bash -c '
     torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
   "$PY" -c "from torch.utils import cpp_extension as c; print(\"CUDA_HOME (torch guess)\", c.CUDA_HOME)"
   "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|triton|pytest|flashinfer|apache-tvm-ffi) "
-  # The host compiler the JIT build uses and its default string ABI against torch'"'"'s (jit_build.abi_flag)
+  # The host compiler of the JIT build (on the GPU image a wrapper that linked libstdc++ statically)
   cxx=$("$PY" -c "from torch.utils.cpp_extension import get_cxx_compiler as c; print(c())" 2>/dev/null || echo c++)
   echo "C++ compiler $cxx: $("$cxx" --version | head -1)"
-  echo "#include <string>" | "$cxx" -x c++ -E -dM - 2>/dev/null | grep -E "define _GLIBCXX_USE_CXX11_ABI" || echo "(compiler default ABI macro not found)"
-  "$PY" -c "import torch; print(\"torch _GLIBCXX_USE_CXX11_ABI\", int(torch._C._GLIBCXX_USE_CXX11_ABI))"
   nproc; free -g | head -2'
 
 # ---- FlashInfer from carried wheels (benchmarks/gpu/fetch_wheels.sh), into $FI_SITE
@@ -123,9 +121,15 @@ load_jit(Path("csrc"), verbose=True)
 print(f"jit build+load: {time.time() - t:.1f} s")
 print("CUDA kernel registered:",
       torch._C._dispatch_has_kernel_for_dispatch_key("chunkattn::tpp_decode", "CUDA"))
+import subprocess
+for lib in torch.ops.loaded_libraries:       # a private static libstdc++ segfaults on TORCH_CHECK
+    if "vllm_chunkattn_jit" in lib:
+        deps = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
+        print("libstdc++:", "shared" if "libstdc++.so" in deps else "NOT shared (a static copy)")
 PY
 build_rc=$?
 grep -E "registers|spill|bytes stack" "$WORK/build.log" | sort -u > "$WORK/ptxas.txt"
+grep -h "^libstdc++:" "$WORK/build.log" >> "$SUMMARY"
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 # junit_counts NAME XML: "NAME: P passed, F failed, E errors, S skipped" into the summary;

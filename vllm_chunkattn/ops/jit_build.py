@@ -146,27 +146,16 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
           extra_ldflags=["-fopenmp"])
 
 
-def abi_flag() -> str:
-    """torch's libstdc++ string ABI, named explicitly: torch's cpp_extension no longer passes it
-    and leaves it to the compiler's default, and a g++ whose default differs (the GPU image's
-    /opt/gcc) builds a library that loads and runs but segfaults the first time a TORCH_CHECK
-    hands torch its message (a std::string of the other layout): the first H200 run."""
-    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-
-
 def _load(csrc_dir: Path, name: str, sources, key: str, verbose: bool, **flags) -> None:
     """cpp_extension.load of `sources` (files of csrc_dir, compiled from its staged copy, which is
-    on the include path) into its own build_dir, with torch's string ABI (abi_flag)."""
+    on the include path) into its own build_dir."""
     from torch.utils import cpp_extension
 
-    flags["extra_cflags"] = [*flags.get("extra_cflags", []), abi_flag()]
-    # The shared libstdc++ torch uses, named first: the GPU image's g++ wrapper links its static
-    # archive, and a second, static libstdc++ in our library segfaulted in ostream (every
-    # TORCH_CHECK message) on the first H200 run.
+    # The shared libstdc++ torch uses, named first: the GPU image's g++ (the /opt/gcc wrapper)
+    # linked libstdc++ statically into our library (ldd: no libstdc++.so), and that private
+    # copy's ostream segfaulted formatting every failed TORCH_CHECK's message (first H200 run).
     flags["extra_ldflags"] = ["-l:libstdc++.so.6", *flags.get("extra_ldflags", [])]
-    if any(str(s).endswith(".cu") for s in sources):
-        flags["extra_cuda_cflags"] = [*flags.get("extra_cuda_cflags", []), abi_flag()]
-    key = f"{key} {abi_flag()}"
+    key = f"{key} shared-libstdc++"
     out = build_dir(csrc_dir, key)
     out.mkdir(parents=True, exist_ok=True)
     staged = _staged(csrc_dir, out)
