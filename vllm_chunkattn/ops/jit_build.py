@@ -155,7 +155,6 @@ def _load(csrc_dir: Path, name: str, sources, key: str, verbose: bool, **flags) 
     # linked libstdc++ statically into our library (ldd: no libstdc++.so), and that private
     # copy's ostream segfaulted formatting every failed TORCH_CHECK's message (first H200 run).
     flags["extra_ldflags"] = ["-l:libstdc++.so.6", *flags.get("extra_ldflags", [])]
-    key = f"{key} shared-libstdc++"
     out = build_dir(csrc_dir, key)
     out.mkdir(parents=True, exist_ok=True)
     staged = _staged(csrc_dir, out)
