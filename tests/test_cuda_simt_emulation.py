@@ -17,7 +17,7 @@ from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import (LONG_TREE, TREE_SPECS, assert_matches_reference,
                                     caterpillar_batch, pad_batch, random_tree_batch,
-                                    split_spare_slots)
+                                    split_spare_slots, tpp_work)
 
 H100_RESIDENT_CTAS = 132 * 2   # an H100's SMs x partial-kernel CTAs per SM at head 128
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
@@ -168,6 +168,49 @@ def test_capacity_mode_padding(emu):
         assert_matches_reference(b, real, out[:n], lse[:n])
         assert torch.equal(out[n:], torch.zeros_like(out[n:]))
         assert torch.isneginf(lse[n:]).all()
+
+
+@pytest.mark.parametrize("shared_blocks", [40, 80])
+def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks):
+    # A CUDA graph replays plans padded to its batch size's capacities: rows - 1 nodes, most of
+    # them empty. Read as work, that padding made the host choose one chunk-first split (on the
+    # first H200 run a captured step was up to 4x slower than eager). The CTAs now choose from
+    # the real tree: the same splits, so the same slots written, as the exact plan's host choice.
+    # resident_ctas is set so the padded shapes look like a full wave and the real tree does not.
+    from vllm_chunkattn.bench.kernel import KvPool
+    rows, block_size = 12, 16
+    pool = KvPool(shared_blocks + 3 * rows + 1, block_size, 2, 64, torch.float16, "cpu",
+                  "paged_nhd")
+    b = pool.batch(n_p=shared_blocks * block_size + 2 * block_size, n_s=shared_blocks * block_size,
+                   b=rows, num_heads=8, seed=shared_blocks)
+    cap = PlanCapacity.for_batch(rows, b.block_table.shape[1])
+    exact = build_plan(b.block_table, b.seq_lens, block_size)
+    padded = pad_plan(build_plan(b.block_table, b.seq_lens, block_size,
+                                 max_partials=cap.num_partials,
+                                 max_node_blocks=cap.num_node_blocks), cap)
+    resident = 32          # capacity windows x kv heads = (11 + 3) x 2 = 28 CTAs: 0.9 wave
+
+    def written_slots(plan):
+        # Only the CUDA workspace's split spares vary: the exact and padded runs get the same.
+        num_slots = cap.num_partials + 8 * rows
+        ws = (torch.full((num_slots, 8, 64), float("nan")), torch.full((num_slots, 8), float("nan")),
+              torch.full((num_slots, 8), float("nan")))
+        out = torch.full_like(b.query, float("nan"))
+        lse = torch.full((rows, 8), float("nan"))
+        emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                       plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
+                       plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
+                       plan.seq_num_shared_blocks, *ws, b.scale, out, lse, resident, 0, False)
+        assert_matches_reference(b, exact, out, lse)
+        return int((~ws[1][:, 0].isnan()).sum())
+
+    exact_slots = written_slots(exact)
+    assert exact_slots >= 2 * exact.num_partials           # the tree's own choice splits its node
+    assert written_slots(padded) == exact_slots
+    work = tpp_work(emu, rows, 8, 2, block_size, cap.num_nodes, cap.num_partials,
+                    cap.num_node_blocks, b.block_table.shape[1], cap.num_partials + 8 * rows,
+                    resident)
+    assert work["device_splits"] == 1 and work["chunk_splits"] == 1
 
 
 def test_refuses_what_the_kernel_cannot_take(emu):

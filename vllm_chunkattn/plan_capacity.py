@@ -4,7 +4,9 @@ A captured graph keeps the kernel's pointers and grid sizes. The CUDA op sizes i
 plan tensors' shapes only (csrc/cuda/tpp_decode.cu), so a plan padded to fixed capacities, written
 each step into the same device buffer, is one the graph can replay: extra nodes are empty
 (node_*_indptr repeat their last value), extra partial ids are never referenced, and rows vLLM pads
-the batch with have seq_len 0 and no partials (they come out as 0).
+the batch with have seq_len 0 and no partials (they come out as 0). A padded plan has
+num_seqs - 1 nodes: by that the op knows its shapes are capacities, and its CTAs choose the
+chunk-first KV splits from the real tree (csrc/cuda/tpp_params.cuh, chunk_splits_of).
 
 Capacities of a batch of B rows:
   nodes:       B - 1, the most a tree of B leaves has (every node has >= 2 rows; see plan.py);

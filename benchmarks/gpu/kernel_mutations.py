@@ -1,7 +1,7 @@
 """Do tests/test_cuda_host.py and tests/test_cuda_simt_emulation.py catch a broken CUDA kernel?
 Each mutation below is a bug of a kind that kernel work makes (a fragment layout, a missing wait
 or barrier, a mask, the smem size, the grid dependency of the overlapped final launch, the work
-decomposition and its KV splits in the host code);
+decomposition and its KV splits, on the host and in a padded plan's CTAs);
 each is applied to a copy of csrc/, and those tests run against that copy (-x: stop at the first
 failure). A mutation the tests do not catch is printed as MISSED and the exit status is 1.
 
@@ -56,6 +56,13 @@ MUTATIONS = [
      "const bool valid = tok0 + nb * 8 + (e & 1) < t_end;", "const bool valid = tok0 + nb * 8 + (e & 1) <= t_end;"),
     ("the final kernel merges the partial slots without waiting for the partial grid",
      "  if constexpr (FINAL) wait_for_primary_grid();\n", ""),
+    ("the wave rule takes the most splits, not the fewest",
+     "for (int s = 1; s <= max_splits; ++s)\n    if (wave_fill",
+     "for (int s = max_splits; s >= 1; --s)\n    if (wave_fill"),
+    ("a padded plan's CTAs keep the host's one split",
+     "  if (!p.device_splits) return {", "  if (true) return {"),
+    ("the final merge counts the host's splits, not the launch's",
+     "for (int s = 0; s < cs.splits; ++s)", "for (int s = 0; s < p.chunk_splits; ++s)"),
 ]
 # The same, in csrc/cuda/tpp_host.h.
 HOST_MUTATIONS = [
@@ -63,8 +70,6 @@ HOST_MUTATIONS = [
      "num_nodes + ceil_div(num_partials, w.chunk_seqs)", "ceil_div(num_partials, w.chunk_seqs)"),
     ("splits not lowered to the workspace's rows",
      "if (ss > 1) --ss;\n    else --cs;", "break;"),
-    ("the wave rule takes the most splits, not the fewest",
-     "for (int s = 1; s <= max_splits; ++s)\n    if (wave_fill", "for (int s = max_splits; s >= 1; --s)\n    if (wave_fill"),
 ]
 
 

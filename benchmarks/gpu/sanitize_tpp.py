@@ -10,16 +10,22 @@ import sys
 
 import torch
 
+from vllm_chunkattn.ops import TppWorkspace
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan
+from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
-# (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad)
+# (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad):
+# pad True: empty nodes added; "capacity": padded as for a CUDA graph (plan_capacity.py) with the
+# splits left to the op (0, 0), so a padded plan's CTAs choose them (tpp_params.cuh), in the
+# workspace the backend gives graphs.
 CASES = [
     ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False),
     ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False),
     ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True),
+    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity"),
 ]
 
 
@@ -45,10 +51,17 @@ def main() -> int:
         b = random_tree_batch(i, **TREE_SPECS[spec], num_heads=hq, num_kv_heads=hkv,
                               head_size=d, block_size=bs, dtype=dtype, device="cuda")
         plan = build_plan(b.block_table.cpu(), b.seq_lens.cpu(), bs)
-        run_plan = (pad(plan, 3, 5) if padded else plan).to("cuda")
         num_seqs = b.query.shape[0]
-        # Exactly the slots the forced splits need: a read or write past them is an error.
-        slots = max(splits[0] * run_plan.num_partials + num_seqs * (splits[1] - 1), 1)
+        if padded == "capacity":
+            cap = PlanCapacity.for_batch(num_seqs, b.block_table.shape[1])
+            run_plan = pad_plan(build_plan(b.block_table.cpu(), b.seq_lens.cpu(), bs,
+                                           max_partials=cap.num_partials,
+                                           max_node_blocks=cap.num_node_blocks), cap).to("cuda")
+            slots = TppWorkspace(spare_rows_per_partial=0).rows(cap.num_partials, num_seqs, "cuda")
+        else:
+            run_plan = (pad(plan, 3, 5) if padded else plan).to("cuda")
+            # Exactly the slots the forced splits need: a read or write past them is an error.
+            slots = max(splits[0] * run_plan.num_partials + num_seqs * (splits[1] - 1), 1)
         ws = (torch.full((slots, hq, d), float("nan"), device="cuda"),
               torch.full((slots, hq), float("nan"), device="cuda"),
               torch.full((slots, hq), float("nan"), device="cuda"))
@@ -64,9 +77,10 @@ def main() -> int:
                                    b.seq_lens, plan.to("cuda"), b.scale)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         ok = not out.isnan().any().item() and err < 2e-2
+        label = "capacity " if padded == "capacity" else "padded " if padded else ""
         failures += not ok
         print(f"{spec:15s} heads {hq}/{hkv} d {d} block {bs} {str(dtype)[6:]:8s} splits {splits} "
-              f"{'padded ' if padded else ''}nodes {plan.num_nodes} partials {plan.num_partials}: "
+              f"{label}nodes {plan.num_nodes} partials {plan.num_partials}: "
               f"rel err {err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
     return 1 if failures else 0
 

@@ -246,6 +246,8 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
   // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
   // partial slots are complete and visible only past this point.
   if constexpr (FINAL) wait_for_primary_grid();
+  ChunkSplits cs{};
+  if constexpr (FINAL) cs = chunk_splits_of(p);  // the whole warp: before the rows diverge
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -268,12 +270,12 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
       const int k_end = p.seq_partial_indptr[seq + 1];
       for (int k = p.seq_partial_indptr[seq]; k < k_end; ++k) {
         const int j = p.seq_partial_ids[k];
-        for (int s = 0; s < p.chunk_splits; ++s)
-          merge_slot<D>(p, (int64_t(s) * p.num_partials + j) * p.num_heads + h, lane, o, r,
+        for (int s = 0; s < cs.splits; ++s)
+          merge_slot<D>(p, (int64_t(s) * cs.partials + j) * p.num_heads + h, lane, o, r,
                         m2[r], l[r]);
       }
       for (int s = 1; s < p.seq_splits; ++s) {
-        const int64_t slot = int64_t(p.chunk_splits) * p.num_partials +
+        const int64_t slot = int64_t(cs.splits) * cs.partials +
                              int64_t(seq) * (p.seq_splits - 1) + (s - 1);
         merge_slot<D>(p, slot * p.num_heads + h, lane, o, r, m2[r], l[r]);
       }

@@ -9,7 +9,10 @@
 //             are empty (node_*_indptr repeat their last value), extra rows have seq_len 0 and
 //             an empty seq_partial range. Grids are sized by the capacities and the CTAs of empty
 //             nodes / rows exit or write empty states (m = -inf), so one capture replays any plan
-//             that fits. Padded rows come out as 0 with lse = -inf. Every per-row tensor has the
+//             that fits. The host sees only the capacities, so the chunk-first KV splits are
+//             chosen by the CTAs from the real plan (tpp_params.cuh, chunk_splits_of); picked
+//             from the padded shapes they were one split, up to 4x slower than eager on an H200.
+//             Padded rows come out as 0 with lse = -inf. Every per-row tensor has the
 //             padded row count (the shared contract); the index checks ran before padding.
 // Split-KV scratch. partial_o/m/l rows past num_partials are spare slots: with S_c KV splits per
 // chunk partial and S_s per private tail the op needs S_c*P + num_seqs*(S_s - 1) rows, and lowers

@@ -61,28 +61,8 @@ struct TppWork {
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;
   int chunk_splits, seq_splits;
+  int device_splits;  // a padded plan: the CTAs choose chunk_splits (tpp_params.cuh)
 };
-
-// Fraction of the CTA slots a launch of `ctas` keeps busy over its waves (`resident` CTAs run at
-// once): 1.09 waves leave the last 0.09 wave nearly alone on the GPU for much of a full wave's
-// time, since one CTA streams its KV at a fraction of the HBM bandwidth (a model, not measured).
-inline double wave_fill(int64_t ctas, int64_t resident) {
-  if (ctas <= 0) return 0.0;
-  const int64_t waves = (ctas + resident - 1) / resident;
-  return double(ctas) / double(waves * resident);
-}
-
-// KV splits for work of `per_split` CTAs per split beside `fixed` CTAs of the same launch: none
-// once a launch is 0.8 wave; else the fewest in [1, max_splits] that fill the waves within 85 %
-// of the best count (flash-decoding's rule: fewer splits, fewer partial states to merge).
-inline int splits_filling_waves(int64_t per_split, int64_t fixed, int max_splits, int64_t resident) {
-  if (per_split <= 0 || max_splits <= 1 || 10 * (per_split + fixed) >= 8 * resident) return 1;
-  double best = 0.0;
-  for (int s = 1; s <= max_splits; ++s) best = std::max(best, wave_fill(fixed + s * per_split, resident));
-  for (int s = 1; s <= max_splits; ++s)
-    if (wave_fill(fixed + s * per_split, resident) >= 0.85 * best) return s;
-  return 1;
-}
 
 // The work decomposition from host ints only (sizes, the workspace's slots, the CTAs the device
 // runs at once), so a captured CUDA graph replays it. `node_blocks`: node_block_ids' length;
@@ -107,22 +87,26 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   const int64_t resident = std::max<int64_t>(1, resident_ctas);
   const int64_t seq_ctas = num_seqs * w.seq_head_tiles * s.num_kv_heads;
   const int max_ss = int(std::max<int64_t>(1, std::min<int64_t>(16, table_width * s.block_size / 512)));
-  int ss = splits_filling_waves(seq_ctas, 0, max_ss, resident), cs = 1;
-  if (num_nodes > 0) {
-    // Chunk CTAs a split holds: at least one window per node and one per chunk_seqs partials
-    // (exact for the usual trees; the grid's other windows exit at once).
-    const int64_t windows = std::max<int64_t>(num_nodes, ceil_div(num_partials, w.chunk_seqs));
-    const int64_t avg_tokens = node_blocks * s.block_size / num_nodes;
-    const int max_cs = int(std::max<int64_t>(1, std::min<int64_t>(16, avg_tokens / 256)));
-    cs = splits_filling_waves(windows * w.chunk_head_tiles * s.num_kv_heads, (ss - 1) * seq_ctas, max_cs,
-                              resident);
-  }
-  if (env_int("CHUNKATTN_CHUNK_SPLITS") > 0) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
+  int ss = splits_filling_waves(seq_ctas, 0, max_ss, resident);
+  int cs = chunk_splits_rule(num_nodes, num_partials, node_blocks, int(s.block_size), w.chunk_seqs,
+                             int64_t(w.chunk_head_tiles) * s.num_kv_heads, (ss - 1) * seq_ctas, resident);
+  const bool forced = env_int("CHUNKATTN_CHUNK_SPLITS") > 0;
+  if (forced) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
   if (env_int("CHUNKATTN_SEQ_SPLITS") > 0) ss = env_int("CHUNKATTN_SEQ_SPLITS");
+  // A plan padded to a CUDA graph's capacities has num_seqs - 1 nodes (the most a tree of its
+  // rows has; plan_capacity.py), most of them empty: its shapes say nothing of the tree a replay
+  // holds, and the rule above, reading the padding as work, would pick one split. Its CTAs choose
+  // instead (chunk_splits_of), in a grid of (window, split) slots for the capacities' windows or a
+  // single node's windows at the most splits, whichever is more. (An exact plan of that many
+  // nodes takes this path too: the same choice, in a larger grid.)
+  w.device_splits = num_nodes > 0 && num_nodes == num_seqs - 1 && !forced;
+  if (w.device_splits) cs = 1;
   while (int64_t(cs) * num_partials + num_seqs * (ss - 1) > slots) {
     if (ss > 1) --ss;
     else --cs;  // cs == 1 always fits: slots >= num_partials
   }
+  if (w.device_splits)
+    w.num_windows = std::max<int>(w.num_windows, kMaxChunkSplits * (1 + ceil_div(num_seqs, w.chunk_seqs)));
   w.chunk_splits = cs;
   w.seq_splits = ss;
   return w;
@@ -190,6 +174,9 @@ inline TppParams make_tpp_params(
   p.seq_head_tiles = w.seq_head_tiles;
   p.chunk_splits = w.chunk_splits;
   p.seq_splits = w.seq_splits;
+  p.device_splits = w.device_splits;
+  p.num_slots = int(slots);
+  p.resident_ctas = int(std::max<int64_t>(1, resident_ctas));
   return p;
 }
 

@@ -1,7 +1,9 @@
 // TPP decode kernels on tensor cores (mma.sync m16n8k16, fp32 accumulation), framework-free.
 //
 // Work decomposition (sizes and KV splits chosen on the host: tpp_host.h, make_tpp_work):
-//   launch 1, tpp_partial_kernel, grid (chunk CTAs + seq-split CTAs, num_kv_heads):
+//   launch 1, tpp_partial_kernel, grid (chunk CTAs + seq-split CTAs, num_kv_heads); S_c and the
+//     slot layout come from chunk_splits_of (tpp_params.cuh: the host's for exact plans, the
+//     CTAs' own for plans padded to a CUDA graph's capacities):
 //     chunk CTA  = (KV split s, window, head tile): the rows of one shared node that fall in one
 //                  window of `chunk_seqs` partial positions (windows are aligned in partial space,
 //                  so window w of node n is CTA index w + n, found by a binary search over
@@ -62,11 +64,13 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
   launch_dependents();  // the final launch may take the SMs this grid leaves idle from now on
   const int kv_head = blockIdx.y;
   const int num_chunk_ctas = p.chunk_splits * p.num_windows * p.chunk_head_tiles;
+  const ChunkSplits cs = chunk_splits_of(p);
   if (int(blockIdx.x) < num_chunk_ctas) {
     int x = blockIdx.x;
     const int ht = x % p.chunk_head_tiles;
     x /= p.chunk_head_tiles;
-    const int win = x % p.num_windows, split = x / p.num_windows;
+    if (x >= cs.splits * cs.windows) return;  // a padded plan's grid holds more than it uses
+    const int win = x % cs.windows, split = x / cs.windows;
     // Node n's windows start at CTA floor(indptr[n] / chunk_seqs) + n: strictly increasing in n.
     const int* ind = p.node_seq_indptr;
     int lo = 0, hi = p.num_nodes - 1;
@@ -86,13 +90,13 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
       const int h = kv_head * p.group + hh;
       sm.row_q[r] = valid ? p.node_seq_ids[p_lo + j] * p.q_stride_seq + h * p.q_stride_head : -1;
       sm.row_out[r] =
-          valid ? int((int64_t(split) * p.num_partials + p_lo + j) * p.num_heads + h) : -1;
+          valid ? int((int64_t(split) * cs.partials + p_lo + j) * p.num_heads + h) : -1;
     }
     __syncthreads();
     const int b0 = p.node_block_indptr[n];
     const int len = (p.node_block_indptr[n + 1] - b0) << p.block_size_log2;
     constexpr int kT = TileShape<D>::kTokens;
-    const int per = ((len + p.chunk_splits - 1) / p.chunk_splits + kT - 1) / kT * kT;
+    const int per = ((len + cs.splits - 1) / cs.splits + kT - 1) / kT * kT;
     const int t_begin = min(len, split * per), t_end = min(len, t_begin + per);
     const int* ids = p.node_block_ids + b0;
     // Fewer rows -> more warps split the KV instead (an empty split still writes m = -inf).
@@ -107,8 +111,7 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
     const int ht = x % p.seq_head_tiles;
     x /= p.seq_head_tiles;
     const int split = 1 + x % (p.seq_splits - 1), seq = x / (p.seq_splits - 1);
-    const int64_t slot = int64_t(p.chunk_splits) * p.num_partials +
-                         int64_t(seq) * (p.seq_splits - 1) + (split - 1);
+    const int64_t slot = int64_t(cs.splits) * cs.partials + int64_t(seq) * (p.seq_splits - 1) + (split - 1);
     seq_rows(p, sm.row_q, sm.row_out, seq, kv_head, ht, slot);
     __syncthreads();
     const TailRange t = tail_range<D>(p, seq, split, p.seq_splits);

@@ -64,6 +64,53 @@ decltype(auto) with_tpp_types(bool half, int head_size, F&& f) {
   return half ? f(DtypeTag<__half>{}, I256{}) : f(DtypeTag<__nv_bfloat16>{}, I256{});
 }
 
+// ---- Chunk-first KV splits: one rule, run by the host on an exact plan's shapes
+// (tpp_host.h) and, for a plan padded to a CUDA graph's capacities, by every CTA on the plan's
+// real counts (chunk_splits_of below), since a captured launch cannot ask the host again.
+
+// Fraction of the CTA slots a launch of `ctas` keeps busy over its waves (`resident` CTAs run at
+// once): 1.09 waves leave the last 0.09 wave nearly alone on the GPU for much of a full wave's
+// time, since one CTA streams its KV at a fraction of the HBM bandwidth (a model, not measured).
+__host__ __device__ inline double wave_fill(int64_t ctas, int64_t resident) {
+  if (ctas <= 0) return 0.0;
+  const int64_t waves = (ctas + resident - 1) / resident;
+  return double(ctas) / double(waves * resident);
+}
+
+// KV splits for work of `per_split` CTAs per split beside `fixed` CTAs of the same launch: none
+// once a launch is 0.8 wave; else the fewest in [1, max_splits] that fill the waves within 85 %
+// of the best count (flash-decoding's rule: fewer splits, fewer partial states to merge).
+__host__ __device__ inline int splits_filling_waves(int64_t per_split, int64_t fixed, int max_splits,
+                                                    int64_t resident) {
+  if (per_split <= 0 || max_splits <= 1 || 10 * (per_split + fixed) >= 8 * resident) return 1;
+  double best = 0.0;
+  for (int s = 1; s <= max_splits; ++s) {
+    const double f = wave_fill(fixed + s * per_split, resident);
+    best = f > best ? f : best;
+  }
+  for (int s = 1; s <= max_splits; ++s)
+    if (wave_fill(fixed + s * per_split, resident) >= 0.85 * best) return s;
+  return 1;
+}
+
+constexpr int kMaxChunkSplits = 16;
+
+// Splits of the shared nodes' KV: none under ~256 tokens a CTA, at most kMaxChunkSplits, sized to
+// the waves. `nodes` hold `node_blocks` blocks and `partials` (node, row) pairs; a window is one
+// chunk CTA's rows of a node, `ctas_per_window` its head tiles x kv heads; `fixed`: the launch's
+// tail-split CTAs. At least one window per node and one per chunk_seqs partials (exact for the
+// usual trees; the grid's other windows exit at once).
+__host__ __device__ inline int chunk_splits_rule(int64_t nodes, int64_t partials, int64_t node_blocks,
+                                                 int block_size, int chunk_seqs, int64_t ctas_per_window,
+                                                 int64_t fixed, int64_t resident) {
+  if (nodes <= 0) return 1;
+  const int64_t by_rows = (partials + chunk_seqs - 1) / chunk_seqs;
+  const int64_t windows = nodes > by_rows ? nodes : by_rows;
+  const int64_t avg_tokens = node_blocks * block_size / nodes;
+  const int64_t cap = avg_tokens / 256 < kMaxChunkSplits ? avg_tokens / 256 : kMaxChunkSplits;
+  return splits_filling_waves(windows * ctas_per_window, fixed, int(cap > 1 ? cap : 1), resident);
+}
+
 // Everything a launch reads. Strides are in elements; the last dim of every tensor is dense.
 struct TppParams {
   const void* query;
@@ -96,6 +143,58 @@ struct TppParams {
   int chunk_splits, seq_splits;
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;
+  // A plan padded to a graph's capacities (device_splits = 1): the grid holds num_windows
+  // (window, split) slots with chunk_splits = 1, and the CTAs pick the splits themselves from the
+  // real plan within num_slots workspace rows (chunk_splits_of).
+  int device_splits, num_slots, resident_ctas;
 };
+
+// The chunk-first splits a launch runs, the partial count its slots are laid out by (split s of
+// partial j at slot s * partials + j, the private tails' splits after all of them) and its
+// windows. Exact plans: the host's choice. Padded plans: the same rule on the real counts, read
+// by every warp alike (no barrier), so both kernels of a launch agree.
+struct ChunkSplits {
+  int splits, partials, windows;
+};
+
+// The lowest lane whose `pred` holds (32 if none), in every lane; the whole warp calls it.
+__device__ __forceinline__ int warp_first_lane(bool pred) {
+  float first = pred ? float(threadIdx.x % 32) : 32.f;
+  for (int m = 16; m > 0; m /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, first, m);
+    first = other < first ? other : first;
+  }
+  return int(first);
+}
+
+__device__ inline ChunkSplits chunk_splits_of(const TppParams& p) {
+  if (!p.device_splits) return {p.chunk_splits, p.num_partials, p.num_windows};
+  // Padding nodes repeat node_seq_indptr's last value and every real node has >= 2 rows, so the
+  // real nodes end at the first n whose indptr is the total: a 32-way search, a load per lane.
+  const int* ind = p.node_seq_indptr;
+  const int partials = ind[p.num_nodes];
+  int lo = 0, hi = p.num_nodes;  // the answer lies in [lo, hi]
+  while (lo < hi) {
+    const int base = lo, step = (hi - lo + 31) / 32, lane = threadIdx.x % 32;
+    const int idx = base + lane * step < hi ? base + lane * step : hi;
+    const int first = warp_first_lane(ind[idx] == partials);
+    if (first == 0) break;  // ind[base] is the total: base is the answer
+    lo = base + (first - 1) * step + 1;
+    if (first < 32) hi = base + first * step < hi ? base + first * step : hi;
+  }
+  const int nodes = lo;
+  const int windows = nodes == 0 ? 0 : nodes + (partials + p.chunk_seqs - 1) / p.chunk_seqs;
+  const int64_t fixed = int64_t(p.seq_splits - 1) * p.num_seqs * p.seq_head_tiles * p.num_kv_heads;
+  int splits = chunk_splits_rule(nodes, partials, p.node_block_indptr[p.num_nodes], 1 << p.block_size_log2,
+                                 p.chunk_seqs, int64_t(p.chunk_head_tiles) * p.num_kv_heads, fixed,
+                                 p.resident_ctas);
+  // Within the grid's (window, split) slots and the workspace (one split always fits: the host
+  // sized both for the capacities).
+  if (windows > 0 && splits * windows > p.num_windows)
+    splits = p.num_windows / windows > 1 ? p.num_windows / windows : 1;
+  while (splits > 1 && int64_t(splits) * partials + int64_t(p.num_seqs) * (p.seq_splits - 1) > p.num_slots)
+    --splits;
+  return {splits, partials, windows};
+}
 
 }  // namespace chunkattn
