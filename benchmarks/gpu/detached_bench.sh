@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #9's benchmarks (run_on_device.sh, STAGES=bench) detached on the warm machine, so that
 # they run while issue #10's bundle travels: the part calls only copy files, and a device minute
-# spent on both is spent once (README.md, "A GPU session's 30 device minutes").
+# spent on both is spent once (README.md, "A GPU session's 15 device minutes").
 #   bash benchmarks/gpu/detached_bench.sh start     # snapshot of the tree, the bench under setsid
 #   bash benchmarks/gpu/detached_bench.sh status    # one line: running (its stage) / ended / none
 #   bash benchmarks/gpu/detached_bench.sh wait      # until it ends; at once if none runs
