@@ -30,20 +30,30 @@ def machine() -> str:
 
 
 def git_commit() -> str:
+    """HEAD, with '+changes' when tracked files differ from it (a copy of a working tree, as the
+    GPU machine gets, can carry an older HEAD than the code that ran)."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("+changes" if head and git("status", "--porcelain",
+                                                  "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return ""
 
 
 def native_build() -> str:
-    """Which CUSTOM native kernel build ran (it is rebuilt often while being optimised)."""
-    sos = sorted(Path(__file__).parents[1].glob("_C*.so"))
-    if not sos:
+    """Which CUSTOM native kernel builds ran (rebuilt often while being optimised): the setup.py
+    library and the JIT one (ops/jit_build.py: the CUDA kernel on a GPU machine)."""
+    import torch
+    libs = sorted(Path(__file__).parents[1].glob("_C*.so"))
+    libs += sorted(Path(p) for p in torch.ops.loaded_libraries if "vllm_chunkattn_jit" in p)
+    if not libs:
         return "no native .so (PyTorch fallback)"
-    built = time.strftime("%Y-%m-%d %H:%M", time.localtime(sos[0].stat().st_mtime))
-    return f"{sos[0].name} built {built}"
+    return ", ".join(f"{p.name} built "
+                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(p.stat().st_mtime))}"
+                     for p in libs)
 
 
 def _cpuinfo_field(name: str) -> str:
