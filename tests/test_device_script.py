@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -334,3 +335,43 @@ def test_a_failure_the_serial_final_launch_does_not_fix_stops_the_bench(tmp_path
     assert "overlap-final" not in summary and not session_env.exists()    # decided afresh
     assert re.search(r"bench-detach +SKIPPED \(a test or the sanitizer failed\)", summary)
     assert [x["knob"] for x in _records(record) if "pytest" in x][:1] == [None]
+
+
+def test_ncu_stage_profiles_each_point_in_its_own_process(tmp_path):
+    """STAGES=ncu: a stand-in ncu on PATH (it writes the CSV Nsight Compute would, for the point
+    its command line names) runs once per point of ncu_points.py, and the summary gets their
+    table from the real --summary."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "ncu").write_text(f"""#!/bin/sh
+log=""; prev=""; for a in "$@"; do [ "$prev" = "--log-file" ] && log=$a; prev=$a; done
+point=$(eval echo \\${{$#}})
+echo "$*" >> {calls}
+cat > "$log" <<CSV
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","h","void chunkattn::tpp_final_kernel<__half, 128>(chunkattn::TppParams)","1","7","(128, 1, 1)","(32, 32, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","8$point"
+CSV
+""")
+    (bin_dir / "ncu").chmod(0o755)
+    fake_py = bin_dir / "python"
+    fake_py.write_text(f"""#!/bin/sh
+case "$*" in *"ncu_points.py --summary"*) exec {sys.executable} "$@" ;; esac
+exit 0
+""")
+    fake_py.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STAGES": "ncu",
+           "PYTHON": str(fake_py), "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(tmp_path / "none"),
+           "WARM_STATE": str(tmp_path / "warm")}
+    r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert r.returncode == 0, summary
+    points = ("paper_shared", "paper_private", "llama_capacity")
+    ran = calls.read_text().splitlines()
+    assert [line.split()[-1] for line in ran] == list(points)
+    assert all("--clock-control none" in line and "-k regex:tpp_" in line for line in ran)
+    for p in points:
+        assert re.search(rf"ncu-{p} +ok", summary), summary
+        assert f"| {p} | void chunkattn::tpp_final_kernel |  | 8{p} % |" in summary, summary

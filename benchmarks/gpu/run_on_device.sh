@@ -9,7 +9,8 @@
 # The device tool returns at most 8 files from $OUT, so everything lands in $WORK and $OUT gets
 # the summary, the logs worth reading first, the result tables and results.tar.gz of it all.
 # Exit status: 1 when the build, a test or the sanitizer failed (bench failures: see summary).
-# Knobs: BUDGET_S, STAGES ("tests sanitizer bench"), FULL_GRID_MIN_S (200), PYTHON, MAX_JOBS.
+# Knobs: BUDGET_S, STAGES ("tests sanitizer bench"; add ncu for Nsight Compute counters at the
+# points furthest from their goals, ncu_points.py), FULL_GRID_MIN_S (200), PYTHON, MAX_JOBS.
 # STAGES may add flashinfer-warm: FlashInfer's JIT build started detached (it outlives the call
 # on the warm machine), so a later STAGES=bench call finds it built (it waits for it if not done);
 # or bench-detach: the whole bench stage detached (detached_bench.sh), collected by a later call.
@@ -265,6 +266,24 @@ if (( build_rc == 0 )); then
         "${FULL_GRID_MIN_S:-200}" >> "$SUMMARY"
     fi
   fi
+  # ---- Nsight Compute on the points furthest from their goals (ncu_points.py), a process each
+  if want ncu; then
+    NCU=$(command -v ncu)
+    for c in /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu; do
+      [ -z "$NCU" ] && [ -x "$c" ] && NCU=$c
+    done
+    if [ -n "$NCU" ]; then
+      for pt in paper_shared paper_private llama_capacity; do
+        stage "ncu-$pt" 90 "$WORK/ncu.log" "$NCU" --clock-control none --target-processes all \
+          -k regex:tpp_ --section SpeedOfLight --section Occupancy --section LaunchStats \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --csv --page details \
+          --log-file "$WORK/ncu_$pt.csv" "$PY" benchmarks/gpu/ncu_points.py "$pt"
+      done
+      "$PY" benchmarks/gpu/ncu_points.py --summary "$WORK"/ncu_*.csv > "$WORK/ncu.md" 2>&1
+    else
+      printf '%-22s SKIPPED (ncu not found)\n' ncu >> "$SUMMARY"
+    fi
+  fi
 else
   FAILED=1
   printf '%-22s SKIPPED (build failed)\n' tests sanitizer bench >> "$SUMMARY"
@@ -285,6 +304,7 @@ for r in map(json.loads, sys.stdin):
     print(f\"{r['dtype']:9s} {r['shape']:32s} tpp {r['tpp_us']:9.1f}  no_sharing {r['no_sharing_us']:9.1f}  x{r['speedup']}{warm}\")"
   echo "== decode TPOT on paper (tpot_cuda.md, in results.tar.gz)"
   grep -E '^\| (llama|qwen)' "$WORK/bench/tpot_cuda.md" 2>/dev/null
+  [ -f "$WORK/ncu.md" ] && { echo "== Nsight Compute (ncu_points.py)"; cat "$WORK/ncu.md"; }
   echo "== tree grids (kernel_cuda_gpu.md): issue #9 goals"
   sed -n '/^## Goals/,/^## Method/p' "$WORK/bench/kernel_cuda_gpu.md" 2>/dev/null | grep '^- '
 } > "$WORK/summary.md" 2>&1
