@@ -81,6 +81,23 @@ def test_plan_cache_rebuilds_only_when_full_blocks_change():
     assert int(p1.seq_num_shared_blocks[0]) == 2
 
 
+def test_plan_cache_with_nothing_shared_keys_on_the_row_count():
+    # Nothing shared, the plan is the empty one whatever the block ids: the cache keeps it while
+    # the row count holds (every step a row fills a block), and rebuilds once rows share.
+    bt = torch.arange(1, 13, dtype=torch.int32).view(4, 3)
+    lens = torch.full((4,), 40)
+    cache = PlanCache(16)
+    p1 = cache.get(bt, lens)
+    assert p1.num_nodes == 0 and p1.num_seqs == 4
+    assert cache.get(bt + 100, lens + 9) is p1 and cache.num_builds == 1     # new blocks filled
+    shared = (bt + 100).clone()
+    shared[1, :2] = shared[0, :2]
+    p3 = cache.get(shared, lens)
+    assert p3.num_nodes == 1 and cache.num_builds == 2
+    p4 = cache.get(bt[:3], lens[:3])
+    assert p4.num_nodes == 0 and p4.num_seqs == 3 and cache.num_builds == 3
+
+
 def test_staging_packs_plans_into_one_persistent_buffer():
     # plan_staging.PlanStaging, on CPU (no pinning, no events): every upload reproduces the plan
     # as views of one buffer, which grows when a plan outgrows it and is otherwise reused.
