@@ -170,13 +170,14 @@ def test_capacity_mode_padding(emu):
         assert torch.isneginf(lse[n:]).all()
 
 
-@pytest.mark.parametrize("shared_blocks", [40, 80])
-def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks):
+@pytest.mark.parametrize("shared_blocks,resident", [(40, 32), (80, 6)])
+def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     # A CUDA graph replays plans padded to its batch size's capacities: rows - 1 nodes, most of
     # them empty. Read as work, that padding made the host choose one chunk-first split (on the
     # first H200 run a captured step was up to 4x slower than eager). The CTAs now choose from
     # the real tree: the same splits, so the same slots written, as the exact plan's host choice.
-    # resident_ctas is set so the padded shapes look like a full wave and the real tree does not.
+    # resident_ctas is set so the padded shapes look like a full wave and the real tree does not
+    # (at 6, the real tree's choice, 3 splits, is fewer than its node's tokens allow, 5).
     from vllm_chunkattn.bench.kernel import KvPool
     rows, block_size = 12, 16
     pool = KvPool(shared_blocks + 3 * rows + 1, block_size, 2, 64, torch.float16, "cpu",
@@ -188,7 +189,6 @@ def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks):
     padded = pad_plan(build_plan(b.block_table, b.seq_lens, block_size,
                                  max_partials=cap.num_partials,
                                  max_node_blocks=cap.num_node_blocks), cap)
-    resident = 32          # capacity windows x kv heads = (11 + 3) x 2 = 28 CTAs: 0.9 wave
 
     def written_slots(plan):
         # Only the CUDA workspace's split spares vary: the exact and padded runs get the same.

@@ -87,9 +87,10 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   const int64_t resident = std::max<int64_t>(1, resident_ctas);
   const int64_t seq_ctas = num_seqs * w.seq_head_tiles * s.num_kv_heads;
   const int max_ss = int(std::max<int64_t>(1, std::min<int64_t>(16, table_width * s.block_size / 512)));
-  int ss = splits_filling_waves(seq_ctas, 0, max_ss, resident);
-  int cs = chunk_splits_rule(num_nodes, num_partials, node_blocks, int(s.block_size), w.chunk_seqs,
-                             int64_t(w.chunk_head_tiles) * s.num_kv_heads, (ss - 1) * seq_ctas, resident);
+  int ss = splits_filling_waves(SplitQuery{seq_ctas, 0, max_ss, resident});
+  int cs = splits_filling_waves(chunk_split_query(num_nodes, num_partials, node_blocks, int(s.block_size),
+                                                  w.chunk_seqs, int64_t(w.chunk_head_tiles) * s.num_kv_heads,
+                                                  (ss - 1) * seq_ctas, resident));
   const bool forced = env_int("CHUNKATTN_CHUNK_SPLITS") > 0;
   if (forced) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
   if (env_int("CHUNKATTN_SEQ_SPLITS") > 0) ss = env_int("CHUNKATTN_SEQ_SPLITS");

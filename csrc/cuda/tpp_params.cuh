@@ -77,38 +77,55 @@ __host__ __device__ inline double wave_fill(int64_t ctas, int64_t resident) {
   return double(ctas) / double(waves * resident);
 }
 
-// KV splits for work of `per_split` CTAs per split beside `fixed` CTAs of the same launch: none
-// once a launch is 0.8 wave; else the fewest in [1, max_splits] that fill the waves within 85 %
-// of the best count (flash-decoding's rule: fewer splits, fewer partial states to merge).
-__host__ __device__ inline int splits_filling_waves(int64_t per_split, int64_t fixed, int max_splits,
-                                                    int64_t resident) {
-  if (per_split <= 0 || max_splits <= 1 || 10 * (per_split + fixed) >= 8 * resident) return 1;
+// A split choice's inputs: `per_split` CTAs per split beside `fixed` CTAs of the same launch,
+// at most `max_splits`, `resident` CTAs at once.
+struct SplitQuery {
+  int64_t per_split, fixed;
+  int max_splits;
+  int64_t resident;
+};
+
+// KV splits: none once a launch is 0.8 wave (or there is nothing to split); else the fewest in
+// [1, max_splits] that fill the waves within 85 % of the best count (flash-decoding's rule:
+// fewer splits, fewer partial states to merge). split_needed and is_enough are the rule; the
+// host runs it as a loop (splits_filling_waves), a padded plan's CTAs one split per lane.
+__host__ __device__ inline bool split_needed(const SplitQuery& q) {
+  return q.per_split > 0 && q.max_splits > 1 && 10 * (q.per_split + q.fixed) < 8 * q.resident;
+}
+__host__ __device__ inline double fill_with(const SplitQuery& q, int splits) {
+  return wave_fill(q.fixed + splits * q.per_split, q.resident);
+}
+__host__ __device__ inline bool is_enough(double fill, double best) { return fill >= 0.85 * best; }
+
+inline int splits_filling_waves(const SplitQuery& q) {
+  if (!split_needed(q)) return 1;
   double best = 0.0;
-  for (int s = 1; s <= max_splits; ++s) {
-    const double f = wave_fill(fixed + s * per_split, resident);
-    best = f > best ? f : best;
+  for (int s = 1; s <= q.max_splits; ++s) {
+    const double fill = fill_with(q, s);
+    best = fill > best ? fill : best;
   }
-  for (int s = 1; s <= max_splits; ++s)
-    if (wave_fill(fixed + s * per_split, resident) >= 0.85 * best) return s;
+  for (int s = 1; s <= q.max_splits; ++s)
+    if (is_enough(fill_with(q, s), best)) return s;
   return 1;
 }
 
-constexpr int kMaxChunkSplits = 16;
+constexpr int kMaxChunkSplits = 16;  // <= 32: a lane each in splits_filling_waves_warp
 
 // Splits of the shared nodes' KV: none under ~256 tokens a CTA, at most kMaxChunkSplits, sized to
 // the waves. `nodes` hold `node_blocks` blocks and `partials` (node, row) pairs; a window is one
 // chunk CTA's rows of a node, `ctas_per_window` its head tiles x kv heads; `fixed`: the launch's
 // tail-split CTAs. At least one window per node and one per chunk_seqs partials (exact for the
 // usual trees; the grid's other windows exit at once).
-__host__ __device__ inline int chunk_splits_rule(int64_t nodes, int64_t partials, int64_t node_blocks,
-                                                 int block_size, int chunk_seqs, int64_t ctas_per_window,
-                                                 int64_t fixed, int64_t resident) {
-  if (nodes <= 0) return 1;
+__host__ __device__ inline SplitQuery chunk_split_query(int64_t nodes, int64_t partials, int64_t node_blocks,
+                                                        int block_size, int chunk_seqs,
+                                                        int64_t ctas_per_window, int64_t fixed,
+                                                        int64_t resident) {
+  if (nodes <= 0) return {0, fixed, 1, resident};  // nothing to split
   const int64_t by_rows = (partials + chunk_seqs - 1) / chunk_seqs;
   const int64_t windows = nodes > by_rows ? nodes : by_rows;
   const int64_t avg_tokens = node_blocks * block_size / nodes;
   const int64_t cap = avg_tokens / 256 < kMaxChunkSplits ? avg_tokens / 256 : kMaxChunkSplits;
-  return splits_filling_waves(windows * ctas_per_window, fixed, int(cap > 1 ? cap : 1), resident);
+  return {windows * ctas_per_window, fixed, int(cap > 1 ? cap : 1), resident};
 }
 
 // Everything a launch reads. Strides are in elements; the last dim of every tensor is dense.
@@ -167,6 +184,20 @@ __device__ __forceinline__ int warp_first_lane(bool pred) {
   return int(first);
 }
 
+// splits_filling_waves in one step of a warp: lane s - 1 weighs s splits.
+__device__ inline int splits_filling_waves_warp(const SplitQuery& q) {
+  if (!split_needed(q)) return 1;
+  const int s = threadIdx.x % 32 + 1;
+  const double fill = s <= q.max_splits ? fill_with(q, s) : 0.0;
+  double best = fill;
+  for (int m = 16; m > 0; m /= 2) {
+    const double other = __shfl_xor_sync(0xffffffffu, best, m);
+    best = other > best ? other : best;
+  }
+  const int first = warp_first_lane(s <= q.max_splits && is_enough(fill, best));
+  return first < 32 ? first + 1 : 1;
+}
+
 __device__ inline ChunkSplits chunk_splits_of(const TppParams& p) {
   if (!p.device_splits) return {p.chunk_splits, p.num_partials, p.num_windows};
   // Padding nodes repeat node_seq_indptr's last value and every real node has >= 2 rows, so the
@@ -185,9 +216,9 @@ __device__ inline ChunkSplits chunk_splits_of(const TppParams& p) {
   const int nodes = lo;
   const int windows = nodes == 0 ? 0 : nodes + (partials + p.chunk_seqs - 1) / p.chunk_seqs;
   const int64_t fixed = int64_t(p.seq_splits - 1) * p.num_seqs * p.seq_head_tiles * p.num_kv_heads;
-  int splits = chunk_splits_rule(nodes, partials, p.node_block_indptr[p.num_nodes], 1 << p.block_size_log2,
-                                 p.chunk_seqs, int64_t(p.chunk_head_tiles) * p.num_kv_heads, fixed,
-                                 p.resident_ctas);
+  int splits = splits_filling_waves_warp(chunk_split_query(
+      nodes, partials, p.node_block_indptr[p.num_nodes], 1 << p.block_size_log2, p.chunk_seqs,
+      int64_t(p.chunk_head_tiles) * p.num_kv_heads, fixed, p.resident_ctas));
   // Within the grid's (window, split) slots and the workspace (one split always fits: the host
   // sized both for the capacities).
   if (windows > 0 && splits * windows > p.num_windows)

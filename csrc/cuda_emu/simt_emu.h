@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #define __device__
@@ -76,7 +77,7 @@ struct LaneOperands {
   const void* ptr = nullptr;  // ldmatrix: this lane's row address
   uint32_t a[4] = {};         // mma A fragment
   uint32_t b[2] = {};         // mma B fragment
-  float value = 0.f;          // shfl
+  double value = 0.0;         // shfl (float and double travel exactly as double)
   unsigned mask = 0;          // shfl member mask
 };
 
@@ -100,14 +101,16 @@ void check_global(const void* p, int bytes, int align, const char* what);
 
 inline void __syncthreads() { simt::syncthreads(); }
 
-inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
+template <typename V>  // float or double, as CUDA's overloads
+inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
+  static_assert(std::is_same_v<V, float> || std::is_same_v<V, double>, "float or double shuffles");
   simt::LaneOperands mine;
   mine.op = simt::WarpOp::kShfl;
   mine.value = v;
   mine.mask = mask;
   const simt::LaneOperands* all = simt::warp_exchange(mine);
   if (mask != 0xffffffffu) simt::fail("__shfl_xor_sync: only a full warp mask is emulated");
-  const float r = all[(threadIdx.x % 32) ^ unsigned(lane_mask)].value;
+  const V r = V(all[(threadIdx.x % 32) ^ unsigned(lane_mask)].value);
   simt::warp_done();
   return r;
 }
