@@ -24,11 +24,17 @@ HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
 WIDE_GROUPS = [(48, 1), (80, 1)]
 
 
-def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, resident_ctas=H100_RESIDENT_CTAS):
+def nan_workspace(slots, num_heads, head_size):
+    """partial_o / m / l of `slots` rows, NaN until the op writes them."""
+    return (torch.full((slots, num_heads, head_size), float("nan")),
+            torch.full((slots, num_heads), float("nan")), torch.full((slots, num_heads), float("nan")))
+
+
+def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, resident_ctas=H100_RESIDENT_CTAS,
+        workspace=None):
+    """workspace: nan_workspace's tensors to run in (default: plan.num_partials + spare_slots)."""
     num_seqs, num_heads, head_size = b.query.shape
-    slots = max(plan.num_partials + spare_slots, 1)
-    ws = (torch.full((slots, num_heads, head_size), float("nan")),
-          torch.full((slots, num_heads), float("nan")), torch.full((slots, num_heads), float("nan")))
+    ws = workspace or nan_workspace(max(plan.num_partials + spare_slots, 1), num_heads, head_size)
     out = torch.full_like(b.query, float("nan"))
     lse = torch.full((num_seqs, num_heads), float("nan"))
     emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
@@ -192,15 +198,8 @@ def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
 
     def written_slots(plan):
         # Only the CUDA workspace's split spares vary: the exact and padded runs get the same.
-        num_slots = cap.num_partials + 8 * rows
-        ws = (torch.full((num_slots, 8, 64), float("nan")), torch.full((num_slots, 8), float("nan")),
-              torch.full((num_slots, 8), float("nan")))
-        out = torch.full_like(b.query, float("nan"))
-        lse = torch.full((rows, 8), float("nan"))
-        emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                       plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
-                       plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
-                       plan.seq_num_shared_blocks, *ws, b.scale, out, lse, resident, 0, False)
+        ws = nan_workspace(cap.num_partials + 8 * rows, 8, 64)
+        out, lse = run(emu, b, plan, resident_ctas=resident, workspace=ws)
         assert_matches_reference(b, exact, out, lse)
         return int((~ws[1][:, 0].isnan()).sum())
 

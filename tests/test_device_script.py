@@ -53,6 +53,21 @@ def _fake_tool(path: Path, case: str) -> Path:
     return path
 
 
+def _run_with_stand_ins(tmp_path, bin_dir, stages: str, python_body: str):
+    """run_on_device.sh with STAGES=stages, bin_dir's stand-in tools first on PATH and a
+    stand-in python running python_body (its build 'passes'). (result, summary.md)"""
+    fake_py = bin_dir / "python"
+    fake_py.write_text(f"#!/bin/sh\n{python_body}\n")
+    fake_py.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STAGES": stages,
+           "PYTHON": str(fake_py), "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(tmp_path / "none"),
+           "WARM_STATE": str(tmp_path / "warm")}
+    r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    return r, (tmp_path / "out" / "summary.md").read_text()
+
+
 @pytest.mark.parametrize("case,want_rc,want_status", [
     ("refused", 0, "UNSUPPORTED here"), ("found_error", 1, "FAILED (rc 99)"), ("clean", 0, "ok")])
 def test_device_script_sanitizer_stages(tmp_path, case, want_rc, want_status):
@@ -61,16 +76,7 @@ def test_device_script_sanitizer_stages(tmp_path, case, want_rc, want_status):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _fake_tool(bin_dir / "compute-sanitizer", case)
-    fake_py = bin_dir / "python"
-    fake_py.write_text("#!/bin/sh\nexit 0\n")
-    fake_py.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STAGES": "sanitizer",
-           "PYTHON": str(fake_py), "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(tmp_path / "none"),
-           "WARM_STATE": str(tmp_path / "warm")}
-    r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    summary = (tmp_path / "out" / "summary.md").read_text()
+    r, summary = _run_with_stand_ins(tmp_path, bin_dir, "sanitizer", "exit 0")
     assert r.returncode == want_rc, summary
     for tool in ("memcheck", "racecheck"):
         line = next(x for x in summary.splitlines() if x.startswith(f"sanitizer-{tool}"))
@@ -354,19 +360,9 @@ cat > "$log" <<CSV
 CSV
 """)
     (bin_dir / "ncu").chmod(0o755)
-    fake_py = bin_dir / "python"
-    fake_py.write_text(f"""#!/bin/sh
+    r, summary = _run_with_stand_ins(tmp_path, bin_dir, "ncu", f"""
 case "$*" in *"ncu_points.py --summary"*) exec {sys.executable} "$@" ;; esac
-exit 0
-""")
-    fake_py.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STAGES": "ncu",
-           "PYTHON": str(fake_py), "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-           "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(tmp_path / "none"),
-           "WARM_STATE": str(tmp_path / "warm")}
-    r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    summary = (tmp_path / "out" / "summary.md").read_text()
+exit 0""")
     assert r.returncode == 0, summary
     points = ("paper_shared", "paper_private", "llama_capacity")
     ran = calls.read_text().splitlines()

@@ -109,14 +109,10 @@ def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2,
     bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
     sl = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, np.int64)
     num_seqs = int(sl.shape[0])
-    if num_seqs < min_sharers:
-        return empty_plan(num_seqs)
     full = sl // block_size                           # only full blocks may be shared
-    width = int(full.max())
-    if width == 0:
-        return empty_plan(num_seqs)
     if not first_blocks_shared(bt, full, min_sharers):
         return empty_plan(num_seqs)                   # without the sort below (one per column)
+    width = int(full.max())
     # Blocks past a row's full prefix get a unique negative id so they never match.
     cols = bt[:, :width].astype(np.int64)
     pad = -1 - (np.arange(num_seqs, dtype=np.int64)[:, None] * width + np.arange(width)[None, :])

@@ -5,21 +5,21 @@ their goals (issue #9), for Nsight Compute: run_on_device.sh runs each point in 
   python benchmarks/gpu/ncu_points.py POINT          # one call of our op at POINT (under ncu)
   python benchmarks/gpu/ncu_points.py --summary CSV...   # DRAM %, occupancy, ... per kernel
 
-Points (one layer, one decode step):
-  paper_shared:  b=32, 32/32 heads, d 128, fp16, block 64, 4096 of 4096 shared (27.6 % of roofline)
-  paper_private: the same with nothing shared (0.85x FlashInfer decode)
-  llama_capacity: b=32, 32/8 heads, bf16, block 16, 4096 shared + 128 private, the plan padded as
-                  for a CUDA graph (was 0.23x eager: the KV splits its CTAs now choose)"""
+Points (one layer, one decode step), the bench's own (kernel_trees.py grids, same trees):
+  paper_shared:  paper "n_p=4096 n_s=4096": b=32, 32/32 heads, fp16, block 64 (27.6 % of roofline)
+  paper_private: paper "n_p=4096 n_s=0", nothing shared (0.85x FlashInfer decode)
+  llama_capacity: llama8b "b=32 P=4096 S=128", the plan padded as for a CUDA graph (was 0.23x
+                  eager: the KV splits its CTAs now choose)"""
 from __future__ import annotations
 
 import csv
 import sys
 
 POINTS = {
-    # name: (shape, n_p, n_s, rows, capacity plan)
-    "paper_shared": ("PAPER", 4096, 4096, 32, False),
-    "paper_private": ("PAPER", 4096, 0, 32, False),
-    "llama_capacity": ("LLAMA3_8B", 4096 + 128, 4096, 32, True),
+    # name: (grid, point label in it, capacity plan)
+    "paper_shared": ("paper", "n_p=4096 n_s=4096", False),
+    "paper_private": ("paper", "n_p=4096 n_s=0", False),
+    "llama_capacity": ("llama8b", "b=32 P=4096 S=128", True),
 }
 # Nsight Compute's names of the few metrics the table keeps (section "details" page).
 METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput",
@@ -29,20 +29,20 @@ METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Thr
 def run_point(name: str) -> None:
     import torch
 
-    from vllm_chunkattn.bench import kernel_trees
     from vllm_chunkattn.bench.kernel import KvPool, ours
     from vllm_chunkattn.bench.kernel_gpu import ours_capacity_mode
+    from vllm_chunkattn.bench.kernel_trees import grid_points, pool_blocks, tree_block_table
     from vllm_chunkattn.plan import build_plan
 
-    shape_name, n_p, n_s, rows, capacity = POINTS[name]
-    shape = getattr(kernel_trees, shape_name)
-    bs = shape.block_size
-    blocks = n_s // bs + rows * -(-(n_p + 1 - n_s) // bs) + 1
-    pool = KvPool(blocks, bs, shape.num_kv_heads, shape.head_size, getattr(torch, shape.dtype),
-                  "cuda", "paged_nhd")
-    bt = pool.batch(n_p, n_s, rows, shape.num_heads, seed=0)
-    fn = (ours_capacity_mode(bt, bs) if capacity
-          else ours(bt, build_plan(bt.block_table.cpu(), bt.seq_lens.cpu(), bs)))
+    grid, label, capacity = POINTS[name]
+    point = next(p for p in grid_points(grid) if p.label == label)
+    shape, bs = point.shape, point.shape.block_size
+    pool = KvPool(pool_blocks([point]), bs, shape.num_kv_heads, shape.head_size,
+                  getattr(torch, shape.dtype), "cuda", "paged_nhd")
+    gen = torch.Generator().manual_seed(0)
+    table, lens = tree_block_table(point, pool.kv_cache.shape[0], gen)
+    bt = pool.from_table(table, lens, shape.num_heads, gen)
+    fn = ours_capacity_mode(bt, bs) if capacity else ours(bt, build_plan(table, lens, bs))
     fn()
     torch.cuda.synchronize()
 

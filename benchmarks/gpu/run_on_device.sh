@@ -133,6 +133,15 @@ grep -E "registers|spill|bytes stack" "$WORK/build.log" | sort -u > "$WORK/ptxas
 grep -h "^libstdc++:" "$WORK/build.log" >> "$SUMMARY"
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+# find_tool NAME PATH...: NAME on PATH, else the first executable of the (globbed) paths; empty
+# if none (the image keeps CUDA's tools outside PATH).
+find_tool() {
+  local found c
+  found=$(command -v "$1")
+  shift
+  for c in "$@"; do [ -z "$found" ] && [ -x "$c" ] && found=$c; done
+  echo "$found"
+}
 # junit_counts NAME XML: "NAME: P passed, F failed, E errors, S skipped" into the summary;
 # status 1 when nothing passed.
 junit_counts() { "$PY" benchmarks/gpu/junit.py counts "$1" "$2" >> "$SUMMARY"; }
@@ -203,10 +212,7 @@ if (( build_rc == 0 )); then
 
   # ---- compute-sanitizer on a few small trees: our kernels only, and no caching allocator, so
   # an access past a tensor leaves its allocation
-  SAN=$(command -v compute-sanitizer)
-  for c in /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer; do
-    [ -z "$SAN" ] && [ -x "$c" ] && SAN=$c
-  done
+  SAN=$(find_tool compute-sanitizer /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer)
   # sanitize.sh: rc 99 the tool found an error, 75 it refused this machine (no verdict).
   if want sanitizer && [ -n "$SAN" ]; then
     for tool in memcheck racecheck; do
@@ -268,10 +274,7 @@ if (( build_rc == 0 )); then
   fi
   # ---- Nsight Compute on the points furthest from their goals (ncu_points.py), a process each
   if want ncu; then
-    NCU=$(command -v ncu)
-    for c in /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu; do
-      [ -z "$NCU" ] && [ -x "$c" ] && NCU=$c
-    done
+    NCU=$(find_tool ncu /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu)
     if [ -n "$NCU" ]; then
       for pt in paper_shared paper_private llama_capacity; do
         stage "ncu-$pt" 90 "$WORK/ncu.log" "$NCU" --clock-control none --target-processes all \

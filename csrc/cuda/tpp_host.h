@@ -91,8 +91,8 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   int cs = splits_filling_waves(chunk_split_query(num_nodes, num_partials, node_blocks, int(s.block_size),
                                                   w.chunk_seqs, int64_t(w.chunk_head_tiles) * s.num_kv_heads,
                                                   (ss - 1) * seq_ctas, resident));
-  const bool forced = env_int("CHUNKATTN_CHUNK_SPLITS") > 0;
-  if (forced) cs = env_int("CHUNKATTN_CHUNK_SPLITS");
+  const int forced_cs = env_int("CHUNKATTN_CHUNK_SPLITS");
+  if (forced_cs > 0) cs = forced_cs;
   if (env_int("CHUNKATTN_SEQ_SPLITS") > 0) ss = env_int("CHUNKATTN_SEQ_SPLITS");
   // A plan padded to a CUDA graph's capacities has num_seqs - 1 nodes (the most a tree of its
   // rows has; plan_capacity.py), most of them empty: its shapes say nothing of the tree a replay
@@ -100,7 +100,7 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   // instead (chunk_splits_of), in a grid of (window, split) slots for the capacities' windows or a
   // single node's windows at the most splits, whichever is more. (An exact plan of that many
   // nodes takes this path too: the same choice, in a larger grid.)
-  w.device_splits = num_nodes > 0 && num_nodes == num_seqs - 1 && !forced;
+  w.device_splits = num_nodes > 0 && num_nodes == num_seqs - 1 && forced_cs <= 0;
   if (w.device_splits) cs = 1;
   while (int64_t(cs) * num_partials + num_seqs * (ss - 1) > slots) {
     if (ss > 1) --ss;
