@@ -212,6 +212,31 @@ def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     assert work["device_splits"] == 1 and work["chunk_splits"] == 1
 
 
+
+@pytest.mark.parametrize("resident", [2, 5])
+def test_a_padded_plans_ctas_loop_over_every_item(emu, resident):
+    # A padded plan's grid holds one wave of chunk CTAs (resident_ctas / kv heads), whatever its
+    # capacities; each loops over the real tree's (split, window) items. A deep tree has more
+    # items than CTAs: every item must still be attended once (and smem reused safely).
+    b = batch("deep_tree", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    rows, width = b.query.shape[0], b.block_table.shape[1]
+    cap = PlanCapacity.for_batch(rows, width)
+    exact = plan_of(b)
+    padded = pad_plan(build_plan(b.block_table, b.seq_lens, b.block_size,
+                                 max_partials=cap.num_partials,
+                                 max_node_blocks=cap.num_node_blocks), cap)
+    slots = cap.num_partials + 8 * rows
+    exact_work = tpp_work(emu, rows, 8, 2, b.block_size, exact.num_nodes, exact.num_partials,
+                          exact.num_shared_blocks, width, slots, resident)
+    work = tpp_work(emu, rows, 8, 2, b.block_size, cap.num_nodes, cap.num_partials,
+                    cap.num_node_blocks, width, slots, resident)
+    assert work["device_splits"] == 1 and work["chunk_ctas"] == (resident + 1) // 2
+    assert exact_work["chunk_ctas"] >= 3 * work["chunk_ctas"]    # three items or more a CTA
+    for seed in range(2):                                        # warps drift apart differently
+        out, lse = run(emu, b, padded, seed=seed, resident_ctas=resident,
+                       workspace=nan_workspace(slots, 8, 64))
+        assert_matches_reference(b, exact, out, lse)
+
 def test_refuses_what_the_kernel_cannot_take(emu):
     b = batch("batch_1", dtype=torch.float32, head_size=64)
     with pytest.raises(RuntimeError, match="fp16/bf16"):

@@ -168,7 +168,7 @@ def chunk_ctas_with_rows(plan, chunk_seqs: int, chunk_head_tiles: int, num_kv_he
 
 
 TPP_WORK_FIELDS = ("chunk_heads", "chunk_head_tiles", "chunk_seqs", "num_windows", "seq_heads",
-                   "seq_head_tiles", "chunk_splits", "seq_splits", "device_splits")
+                   "seq_head_tiles", "chunk_splits", "seq_splits", "chunk_ctas", "device_splits")
 
 
 def tpp_work(simt_ops, num_seqs: int, num_heads: int, num_kv_heads: int, block_size: int,

@@ -77,6 +77,32 @@ __device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int 
   m2 = mn;
 }
 
+// A final CTA's rows (q heads of sequence `seq`, this warp's row block rb) take in the slots the
+// partial launch wrote for them: the row's chunk partials over their KV splits, then its tail
+// splits 1.. (split 0 is the CTA's own state). The KV parts' warps share them, slot i going to
+// part i % num_parts, so a row's dozen or so slots cost a few dependent loads, not one chain;
+// the parts' states are merged after.
+template <int D, typename Sm>
+__device__ __forceinline__ void merge_row_slots(const TppParams& p, const Sm& sm, const ChunkSplits& cs,
+                                                int seq, int rb, int part, int num_parts, int lane,
+                                                float o[][4], float m2[2], float l[2]) {
+  const int k0 = p.seq_partial_indptr[seq];
+  const int chunk_slots = (p.seq_partial_indptr[seq + 1] - k0) * cs.splits;
+  const int total = chunk_slots + p.seq_splits - 1;
+  for (int i = part; i < total; i += num_parts) {
+    int64_t slot;
+    if (i < chunk_slots)
+      slot = int64_t(i % cs.splits) * cs.partials + p.seq_partial_ids[k0 + i / cs.splits];
+    else
+      slot = int64_t(cs.splits) * cs.partials + int64_t(seq) * (p.seq_splits - 1) + (i - chunk_slots);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int h = sm.row_out[rb * 16 + lane / 4 + 8 * r];
+      if (h >= 0) merge_slot<D>(p, slot * p.num_heads + h, lane, o, r, m2[r], l[r]);
+    }
+  }
+}
+
 // Attention of up to 16*WM rows (described in smem row meta) against tokens [t_begin, t_end) of
 // the KV run `ids`, for one kv head. FINAL = false: writes each row's state to its slot.
 // FINAL = true: rows are q heads of sequence `seq`; merges the row's slots and writes out/lse.
@@ -201,6 +227,15 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
   }
+  if constexpr (FINAL) {
+    // Every warp, before the rows diverge; it reads the plan only, so a padded plan's search
+    // runs before the wait, while the partial launch may still be running.
+    const ChunkSplits cs = chunk_splits_of(p);
+    // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
+    // partial slots are complete and visible only past this point.
+    wait_for_primary_grid();
+    if (active) merge_row_slots<D>(p, sm, cs, seq, rb, part, kParts, lane, o, m2, l);
+  }
 
   // Merge the KV parts of each row block through smem (aliases the now idle KV stages).
   if constexpr (kParts > 1) {
@@ -243,11 +278,6 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     }
   }
   if (part != 0) return;
-  // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
-  // partial slots are complete and visible only past this point.
-  if constexpr (FINAL) wait_for_primary_grid();
-  ChunkSplits cs{};
-  if constexpr (FINAL) cs = chunk_splits_of(p);  // the whole warp: before the rows diverge
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -264,21 +294,8 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
         p.partial_l[out_idx] = l[r];
       }
     } else {
-      // out_idx is the q head. Merge order: the row's partials (each over its KV splits), then
-      // tail splits 1.. (split 0 is this CTA's own state).
+      // out_idx is the q head; the row's slots were merged (merge_row_slots).
       const int h = out_idx;
-      const int k_end = p.seq_partial_indptr[seq + 1];
-      for (int k = p.seq_partial_indptr[seq]; k < k_end; ++k) {
-        const int j = p.seq_partial_ids[k];
-        for (int s = 0; s < cs.splits; ++s)
-          merge_slot<D>(p, (int64_t(s) * cs.partials + j) * p.num_heads + h, lane, o, r,
-                        m2[r], l[r]);
-      }
-      for (int s = 1; s < p.seq_splits; ++s) {
-        const int64_t slot = int64_t(cs.splits) * cs.partials +
-                             int64_t(seq) * (p.seq_splits - 1) + (s - 1);
-        merge_slot<D>(p, slot * p.num_heads + h, lane, o, r, m2[r], l[r]);
-      }
       const float inv = 1.f / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
       T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + h * p.out_stride_head +
                2 * (lane % 4);

@@ -61,6 +61,7 @@ struct TppWork {
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;
   int chunk_splits, seq_splits;
+  int chunk_ctas;     // chunk CTAs in the partial grid per kv head
   int device_splits;  // a padded plan: the CTAs choose chunk_splits (tpp_params.cuh)
 };
 
@@ -97,17 +98,16 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   // A plan padded to a CUDA graph's capacities has num_seqs - 1 nodes (the most a tree of its
   // rows has; plan_capacity.py), most of them empty: its shapes say nothing of the tree a replay
   // holds, and the rule above, reading the padding as work, would pick one split. Its CTAs choose
-  // instead (chunk_splits_of), in a grid of (window, split) slots for the capacities' windows or a
-  // single node's windows at the most splits, whichever is more. (An exact plan of that many
-  // nodes takes this path too: the same choice, in a larger grid.)
+  // instead (chunk_splits_of), in a grid of one wave of chunk CTAs that loop over the real work.
+  // (An exact plan of that many nodes takes this path too: the same choice and work.)
   w.device_splits = num_nodes > 0 && num_nodes == num_seqs - 1 && forced_cs <= 0;
   if (w.device_splits) cs = 1;
   while (int64_t(cs) * num_partials + num_seqs * (ss - 1) > slots) {
     if (ss > 1) --ss;
     else --cs;  // cs == 1 always fits: slots >= num_partials
   }
-  if (w.device_splits)
-    w.num_windows = std::max<int>(w.num_windows, kMaxChunkSplits * (1 + ceil_div(num_seqs, w.chunk_seqs)));
+  w.chunk_ctas = w.device_splits ? std::max(1, ceil_div(resident, s.num_kv_heads))
+                                 : cs * w.num_windows * w.chunk_head_tiles;
   w.chunk_splits = cs;
   w.seq_splits = ss;
   return w;
@@ -175,6 +175,7 @@ inline TppParams make_tpp_params(
   p.seq_head_tiles = w.seq_head_tiles;
   p.chunk_splits = w.chunk_splits;
   p.seq_splits = w.seq_splits;
+  p.chunk_ctas = w.chunk_ctas;
   p.device_splits = w.device_splits;
   p.num_slots = int(slots);
   p.resident_ctas = int(std::max<int64_t>(1, resident_ctas));

@@ -4,11 +4,13 @@
 //   launch 1, tpp_partial_kernel, grid (chunk CTAs + seq-split CTAs, num_kv_heads); S_c and the
 //     slot layout come from chunk_splits_of (tpp_params.cuh: the host's for exact plans, the
 //     CTAs' own for plans padded to a CUDA graph's capacities):
-//     chunk CTA  = (KV split s, window, head tile): the rows of one shared node that fall in one
+//     chunk item = (KV split s, window, head tile): the rows of one shared node that fall in one
 //                  window of `chunk_seqs` partial positions (windows are aligned in partial space,
-//                  so window w of node n is CTA index w + n, found by a binary search over
+//                  so window w of node n is item w + n, found by a binary search over
 //                  node_seq_indptr), times up to `chunk_heads` q heads of the kv group; it reads
 //                  the node's tokens of split s once for all its rows and writes slot s*P + j.
+//                  An exact plan's chunk CTA runs one item; a padded plan's grid has one wave of
+//                  chunk CTAs (TppParams::chunk_ctas), each looping over the real items.
 //     seq CTA    = (row i, split s >= 1, head tile): split s of row i's private tail, written to
 //                  slot S_c*P + i*(S_s-1) + s-1.
 //   launch 2, tpp_final_kernel, grid (num_seqs * seq head tiles, num_kv_heads): split 0 of row
@@ -57,57 +59,69 @@ __device__ __forceinline__ void seq_rows(const TppParams& p, int64_t* row_q, int
   }
 }
 
+// One chunk-first item of the partial launch: KV split `split`'s tokens of the node that holds
+// window `win`, for the rows of that window (x = ((split * windows) + win) * head tiles + ht).
+template <typename T, int D>
+__device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>& sm, const ChunkSplits& cs,
+                                           int x, int kv_head) {
+  const int ht = x % p.chunk_head_tiles;
+  x /= p.chunk_head_tiles;
+  const int win = x % cs.windows, split = x / cs.windows;
+  // Node n's windows start at CTA floor(indptr[n] / chunk_seqs) + n: strictly increasing in n.
+  const int* ind = p.node_seq_indptr;
+  int lo = 0, hi = cs.nodes - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (ind[mid] / p.chunk_seqs + mid <= win) lo = mid; else hi = mid - 1;
+  }
+  const int n = lo, w = win - n;
+  const int p_lo = max(ind[n], w * p.chunk_seqs);
+  const int p_hi = min(ind[n + 1], (w + 1) * p.chunk_seqs);
+  if (p_lo >= p_hi) return;  // a gap between nodes' windows
+  const int num_rows = (p_hi - p_lo) * p.chunk_heads;
+  const int r = threadIdx.x;
+  if (r < kMaxRows) {
+    const int j = r / p.chunk_heads, hh = ht * p.chunk_heads + r % p.chunk_heads;
+    const bool valid = r < num_rows && hh < p.group;
+    const int h = kv_head * p.group + hh;
+    sm.row_q[r] = valid ? p.node_seq_ids[p_lo + j] * p.q_stride_seq + h * p.q_stride_head : -1;
+    sm.row_out[r] = valid ? int((int64_t(split) * cs.partials + p_lo + j) * p.num_heads + h) : -1;
+  }
+  __syncthreads();
+  const int b0 = p.node_block_indptr[n];
+  const int len = (p.node_block_indptr[n + 1] - b0) << p.block_size_log2;
+  constexpr int kT = TileShape<D>::kTokens;
+  const int per = ((len + cs.splits - 1) / cs.splits + kT - 1) / kT * kT;
+  const int t_begin = min(len, split * per), t_end = min(len, t_begin + per);
+  const int* ids = p.node_block_ids + b0;
+  // Fewer rows -> more warps split the KV instead (an empty split still writes m = -inf).
+  if (num_rows <= 16)
+    attend_tile<T, D, 1, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
+  else if (num_rows <= 32)
+    attend_tile<T, D, 2, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
+  else
+    attend_tile<T, D, 4, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   Smem<T, D> sm(smem_raw, kMaxRows);
   launch_dependents();  // the final launch may take the SMs this grid leaves idle from now on
   const int kv_head = blockIdx.y;
-  const int num_chunk_ctas = p.chunk_splits * p.num_windows * p.chunk_head_tiles;
   const ChunkSplits cs = chunk_splits_of(p);
-  if (int(blockIdx.x) < num_chunk_ctas) {
-    int x = blockIdx.x;
-    const int ht = x % p.chunk_head_tiles;
-    x /= p.chunk_head_tiles;
-    if (x >= cs.splits * cs.windows) return;  // a padded plan's grid holds more than it uses
-    const int win = x % cs.windows, split = x / cs.windows;
-    // Node n's windows start at CTA floor(indptr[n] / chunk_seqs) + n: strictly increasing in n.
-    const int* ind = p.node_seq_indptr;
-    int lo = 0, hi = p.num_nodes - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (ind[mid] / p.chunk_seqs + mid <= win) lo = mid; else hi = mid - 1;
+  if (int(blockIdx.x) < p.chunk_ctas) {
+    // An exact plan's CTA runs its one item; a padded plan's grid is one wave of CTAs that loop
+    // over the items of the real tree (a grid sized for the capacities, 2552 CTAs at b = 256,
+    // was mostly CTAs that found out they had nothing to do: captured steps took up to 1.4x the
+    // eager time on an H200).
+    const int items = cs.splits * cs.windows * p.chunk_head_tiles;
+    for (int x = blockIdx.x; x < items; x += p.chunk_ctas) {
+      if (x != int(blockIdx.x)) __syncthreads();  // the last item's smem is read to the end
+      chunk_item<T, D>(p, sm, cs, x, kv_head);
     }
-    const int n = lo, w = win - n;
-    const int p_lo = max(ind[n], w * p.chunk_seqs);
-    const int p_hi = min(ind[n + 1], (w + 1) * p.chunk_seqs);
-    if (p_lo >= p_hi) return;  // a gap between nodes' windows, or an empty (padding) node
-    const int num_rows = (p_hi - p_lo) * p.chunk_heads;
-    const int r = threadIdx.x;
-    if (r < kMaxRows) {
-      const int j = r / p.chunk_heads, hh = ht * p.chunk_heads + r % p.chunk_heads;
-      const bool valid = r < num_rows && hh < p.group;
-      const int h = kv_head * p.group + hh;
-      sm.row_q[r] = valid ? p.node_seq_ids[p_lo + j] * p.q_stride_seq + h * p.q_stride_head : -1;
-      sm.row_out[r] =
-          valid ? int((int64_t(split) * cs.partials + p_lo + j) * p.num_heads + h) : -1;
-    }
-    __syncthreads();
-    const int b0 = p.node_block_indptr[n];
-    const int len = (p.node_block_indptr[n + 1] - b0) << p.block_size_log2;
-    constexpr int kT = TileShape<D>::kTokens;
-    const int per = ((len + cs.splits - 1) / cs.splits + kT - 1) / kT * kT;
-    const int t_begin = min(len, split * per), t_end = min(len, t_begin + per);
-    const int* ids = p.node_block_ids + b0;
-    // Fewer rows -> more warps split the KV instead (an empty split still writes m = -inf).
-    if (num_rows <= 16)
-      attend_tile<T, D, 1, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
-    else if (num_rows <= 32)
-      attend_tile<T, D, 2, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
-    else
-      attend_tile<T, D, 4, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
   } else {
-    int x = blockIdx.x - num_chunk_ctas;
+    int x = blockIdx.x - p.chunk_ctas;
     const int ht = x % p.seq_head_tiles;
     x /= p.seq_head_tiles;
     const int split = 1 + x % (p.seq_splits - 1), seq = x / (p.seq_splits - 1);
@@ -139,8 +153,7 @@ struct TppLaunchShape {
 template <int D>
 inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
   using S = TileShape<D>;
-  return {p.chunk_splits * p.num_windows * p.chunk_head_tiles +
-              p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles,
+  return {p.chunk_ctas + p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles,
           p.num_seqs * p.seq_head_tiles, tpp_partial_smem_bytes(D), S::smem_bytes(16)};
 }
 

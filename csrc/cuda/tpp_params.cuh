@@ -160,18 +160,20 @@ struct TppParams {
   int chunk_splits, seq_splits;
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;
-  // A plan padded to a graph's capacities (device_splits = 1): the grid holds num_windows
-  // (window, split) slots with chunk_splits = 1, and the CTAs pick the splits themselves from the
-  // real plan within num_slots workspace rows (chunk_splits_of).
+  // Chunk CTAs of the partial grid per kv head: an exact plan's one per (split, window, head
+  // tile); a padded plan's one wave, looping over the real work, whose size only the CTAs know.
+  int chunk_ctas;
+  // A plan padded to a graph's capacities (device_splits = 1): chunk_splits = 1 on the host; the
+  // CTAs pick the splits from the real plan within num_slots workspace rows (chunk_splits_of).
   int device_splits, num_slots, resident_ctas;
 };
 
 // The chunk-first splits a launch runs, the partial count its slots are laid out by (split s of
-// partial j at slot s * partials + j, the private tails' splits after all of them) and its
-// windows. Exact plans: the host's choice. Padded plans: the same rule on the real counts, read
-// by every warp alike (no barrier), so both kernels of a launch agree.
+// partial j at slot s * partials + j, the private tails' splits after all of them), its windows
+// and its real nodes. Exact plans: the host's choice. Padded plans: the same rule on the real
+// counts, read by every warp alike (no barrier), so both kernels of a launch agree.
 struct ChunkSplits {
-  int splits, partials, windows;
+  int splits, partials, windows, nodes;
 };
 
 // The lowest lane whose `pred` holds (32 if none), in every lane; the whole warp calls it.
@@ -199,7 +201,7 @@ __device__ inline int splits_filling_waves_warp(const SplitQuery& q) {
 }
 
 __device__ inline ChunkSplits chunk_splits_of(const TppParams& p) {
-  if (!p.device_splits) return {p.chunk_splits, p.num_partials, p.num_windows};
+  if (!p.device_splits) return {p.chunk_splits, p.num_partials, p.num_windows, p.num_nodes};
   // Padding nodes repeat node_seq_indptr's last value and every real node has >= 2 rows, so the
   // real nodes end at the first n whose indptr is the total: a 32-way search, a load per lane.
   const int* ind = p.node_seq_indptr;
@@ -219,13 +221,11 @@ __device__ inline ChunkSplits chunk_splits_of(const TppParams& p) {
   int splits = splits_filling_waves_warp(chunk_split_query(
       nodes, partials, p.node_block_indptr[p.num_nodes], 1 << p.block_size_log2, p.chunk_seqs,
       int64_t(p.chunk_head_tiles) * p.num_kv_heads, fixed, p.resident_ctas));
-  // Within the grid's (window, split) slots and the workspace (one split always fits: the host
-  // sized both for the capacities).
-  if (windows > 0 && splits * windows > p.num_windows)
-    splits = p.num_windows / windows > 1 ? p.num_windows / windows : 1;
+  // Within the workspace (one split always fits: the host sized it for the capacities). The
+  // grid's chunk CTAs loop over however many (split, window) items this makes.
   while (splits > 1 && int64_t(splits) * partials + int64_t(p.num_seqs) * (p.seq_splits - 1) > p.num_slots)
     --splits;
-  return {splits, partials, windows};
+  return {splits, partials, windows, nodes};
 }
 
 }  // namespace chunkattn

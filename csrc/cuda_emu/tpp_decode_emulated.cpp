@@ -93,7 +93,7 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
 int64_t partial_smem_bytes(int64_t head_size) { return tpp_partial_smem_bytes(int(head_size)); }
 
 // make_tpp_work for sizes alone: [chunk_heads, chunk_head_tiles, chunk_seqs, num_windows,
-// seq_heads, seq_head_tiles, chunk_splits, seq_splits, device_splits].
+// seq_heads, seq_head_tiles, chunk_splits, seq_splits, chunk_ctas, device_splits].
 std::vector<int64_t> tpp_work(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                               int64_t num_nodes, int64_t num_partials, int64_t node_blocks, int64_t table_width,
                               int64_t slots, int64_t resident_ctas) {
@@ -108,7 +108,8 @@ std::vector<int64_t> tpp_work(int64_t num_seqs, int64_t num_heads, int64_t num_k
   s.num_partials = num_partials;
   const TppWork w = make_tpp_work(s, node_blocks, table_width, slots, resident_ctas);
   return {w.chunk_heads, w.chunk_head_tiles, w.chunk_seqs, w.num_windows,
-          w.seq_heads, w.seq_head_tiles, w.chunk_splits, w.seq_splits, w.device_splits};
+          w.seq_heads, w.seq_head_tiles, w.chunk_splits, w.seq_splits, w.chunk_ctas,
+          w.device_splits};
 }
 
 }  // namespace
