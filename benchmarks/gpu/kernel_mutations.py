@@ -41,7 +41,7 @@ MUTATIONS = [
     ("dynamic smem 32 bytes short",
      "max_rows * kLd * 2 + kKvBytes;", "max_rows * kLd * 2 + kKvBytes - 32;"),
     ("no __syncthreads after the row metadata is written",
-     "    __syncthreads();\n    const int b0 = p.node_block_indptr[n];", "    const int b0 = p.node_block_indptr[n];"),
+     "  __syncthreads();\n  const int b0 = p.node_block_indptr[n];", "  const int b0 = p.node_block_indptr[n];"),
     ("final merge skips the last tail split",
      "const int total = chunk_slots + p.seq_splits - 1;", "const int total = chunk_slots + p.seq_splits - 2;"),
     ("every KV part's warp of a final CTA merges every slot",
@@ -78,6 +78,8 @@ HOST_MUTATIONS = [
      "num_nodes + ceil_div(num_partials, w.chunk_seqs)", "ceil_div(num_partials, w.chunk_seqs)"),
     ("splits not lowered to the workspace's rows",
      "if (ss > 1) --ss;\n    else --cs;", "break;"),
+    ("a padded plan's grid never loops, whatever its capacities",
+     "> kLoopWaves * resident ?", "> 1000 * kLoopWaves * resident ?"),
 ]
 
 

@@ -56,6 +56,10 @@ inline void check_tensor_core_args(const TppSizes& s, const at::Tensor& query, c
               "tpp_decode: partial_o's data must be 8-byte aligned on CUDA (read as float2)");
 }
 
+// A padded plan's chunk CTAs loop over its items when a grid for its capacities would be more
+// than this many waves (make_tpp_work).
+constexpr int64_t kLoopWaves = 6;
+
 // How one call's work is cut into CTAs: the TppParams fields of that name (tpp_params.cuh).
 struct TppWork {
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
@@ -98,16 +102,28 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   // A plan padded to a CUDA graph's capacities has num_seqs - 1 nodes (the most a tree of its
   // rows has; plan_capacity.py), most of them empty: its shapes say nothing of the tree a replay
   // holds, and the rule above, reading the padding as work, would pick one split. Its CTAs choose
-  // instead (chunk_splits_of), in a grid of one wave of chunk CTAs that loop over the real work.
-  // (An exact plan of that many nodes takes this path too: the same choice and work.)
+  // instead (chunk_splits_of). (An exact plan of that many nodes takes this path too: the same
+  // choice and work.) Their grid: a CTA per (window, split) slot of the capacities' windows or a
+  // single node's windows at the most splits, whichever is more, each running one item of the
+  // real tree or none; or, where that grid is over kLoopWaves waves of resident CTAs, one wave of
+  // CTAs that loop over the real items (tpp_kernels.cuh). Measured on an H200 (2026-11-26, bench
+  // kernel --grid gpu, captured capacity plans vs eager): at b = 256 the capacity grid (9.7 waves,
+  // 2552 CTAs, most of them finding they have nothing to do) took up to 1.39x the eager time and
+  // the loop 1.12x; at b <= 128 (<= 4.8 waves) the loop's static share of items took up to 1.77x
+  // (uneven or gapped windows, no overlap with the final launch) and the grid 1.21x.
   w.device_splits = num_nodes > 0 && num_nodes == num_seqs - 1 && forced_cs <= 0;
   if (w.device_splits) cs = 1;
   while (int64_t(cs) * num_partials + num_seqs * (ss - 1) > slots) {
     if (ss > 1) --ss;
     else --cs;  // cs == 1 always fits: slots >= num_partials
   }
-  w.chunk_ctas = w.device_splits ? std::max(1, ceil_div(resident, s.num_kv_heads))
-                                 : cs * w.num_windows * w.chunk_head_tiles;
+  w.chunk_ctas = cs * w.num_windows * w.chunk_head_tiles;
+  if (w.device_splits) {
+    const int64_t grid = int64_t(std::max<int>(w.num_windows, kMaxChunkSplits * (1 + ceil_div(num_seqs, w.chunk_seqs)))) *
+                         w.chunk_head_tiles;
+    w.chunk_ctas = grid * s.num_kv_heads > kLoopWaves * resident ? std::max(1, ceil_div(resident, s.num_kv_heads))
+                                                                 : int(grid);
+  }
   w.chunk_splits = cs;
   w.seq_splits = ss;
   return w;

@@ -9,8 +9,9 @@
 //                  so window w of node n is item w + n, found by a binary search over
 //                  node_seq_indptr), times up to `chunk_heads` q heads of the kv group; it reads
 //                  the node's tokens of split s once for all its rows and writes slot s*P + j.
-//                  An exact plan's chunk CTA runs one item; a padded plan's grid has one wave of
-//                  chunk CTAs (TppParams::chunk_ctas), each looping over the real items.
+//                  An exact plan's chunk CTA runs one item; a padded plan's grid holds a CTA
+//                  per item its capacities allow or, for large capacities, one wave of CTAs,
+//                  each looping over the real items (TppParams::chunk_ctas).
 //     seq CTA    = (row i, split s >= 1, head tile): split s of row i's private tail, written to
 //                  slot S_c*P + i*(S_s-1) + s-1.
 //   launch 2, tpp_final_kernel, grid (num_seqs * seq head tiles, num_kv_heads): split 0 of row
@@ -111,10 +112,8 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
   const int kv_head = blockIdx.y;
   const ChunkSplits cs = chunk_splits_of(p);
   if (int(blockIdx.x) < p.chunk_ctas) {
-    // An exact plan's CTA runs its one item; a padded plan's grid is one wave of CTAs that loop
-    // over the items of the real tree (a grid sized for the capacities, 2552 CTAs at b = 256,
-    // was mostly CTAs that found out they had nothing to do: captured steps took up to 1.4x the
-    // eager time on an H200).
+    // An exact plan's CTA runs its one item; a padded plan's CTAs run one item of the real tree
+    // or none, or, for large capacities, loop over its items (make_tpp_work).
     const int items = cs.splits * cs.windows * p.chunk_head_tiles;
     for (int x = blockIdx.x; x < items; x += p.chunk_ctas) {
       if (x != int(blockIdx.x)) __syncthreads();  // the last item's smem is read to the end

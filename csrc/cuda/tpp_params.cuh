@@ -161,7 +161,8 @@ struct TppParams {
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;
   int seq_heads, seq_head_tiles;
   // Chunk CTAs of the partial grid per kv head: an exact plan's one per (split, window, head
-  // tile); a padded plan's one wave, looping over the real work, whose size only the CTAs know.
+  // tile); a padded plan's one per slot of its capacities or, for large capacities, one wave
+  // (make_tpp_work). CTA x runs items x, x + chunk_ctas, ... of the real (split, window) items.
   int chunk_ctas;
   // A plan padded to a graph's capacities (device_splits = 1): chunk_splits = 1 on the host; the
   // CTAs pick the splits from the real plan within num_slots workspace rows (chunk_splits_of).
