@@ -50,6 +50,13 @@ def test_committed_manifest_is_consistent():
     carried = {w.split("-")[0].lower() for w in wheels}
     for name in bundle.OPTIONAL_MODULES:            # optional imports never travel
         assert name.replace(".", "_") not in carried
+    # vLLM first on the image's torch; torch 2.13's stack, then NCCL, only if the device asks
+    assert [g[0] for g in m["group"]] == ["core", "torch", "nccl"]
+    by_group = {}
+    for group, _, _, _, fname in m["wheel"]:
+        by_group.setdefault(group, set()).add(fname.split("-")[0])
+    assert by_group["torch"] == bundle.TORCH_STACK
+    assert not by_group["core"] & bundle.TORCH_STACK and "vllm" in by_group["core"]
 
 
 def test_plan_carries_what_the_image_lacks_or_breaks(monkeypatch):
@@ -99,7 +106,8 @@ def _members(whl: Path) -> list[tuple]:
 @pytest.mark.parametrize("part_bytes", [4096, 7000])
 def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_bytes):
     """bundle._pack's parts, carried one per call, unpack through the installer's own code:
-    big wheels re-compressed and back, and the nccl group optional (the shim stands in)."""
+    big wheels re-compressed and back, the torch group optional (the image's torch stands in)
+    and the nccl group optional after it (the shim stands in)."""
     bundle_dir = tmp_path / "bundle"
     monkeypatch.setattr(bundle, "BUNDLE", bundle_dir)
     monkeypatch.setattr(bundle, "PART_BYTES", part_bytes)
@@ -107,8 +115,10 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
     rng = __import__("random").Random(part_bytes)
     groups = {"core": [_wheel(tmp_path / f"core{i}-1.0-py3-none-any.whl", rng, files=1 + 2 * i)
                        for i in range(3)],
+              "torch": [_wheel(tmp_path / "torch0-1.0-py3-none-any.whl", rng, files=3)],
               "nccl": [_wheel(tmp_path / "nccl0-1.0-py3-none-any.whl", rng, files=4)]}
-    big = {w.name for w in groups["core"] if w.stat().st_size >= bundle.XZ_MIN}
+    big = {w.name for g, ws in groups.items() if g not in bundle.GROUPS_AS_SHIPPED for w in ws
+           if w.stat().st_size >= bundle.XZ_MIN}
     assert "core2-1.0-py3-none-any.whl" in big and "core0-1.0-py3-none-any.whl" not in big
     assert groups["nccl"][0].stat().st_size >= bundle.XZ_MIN       # big, but travels as shipped
     bundle_dir.mkdir()
@@ -117,9 +127,11 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
     manifest = tmp_path / "manifest.txt"
     manifest.write_text("# test\n" + "\n".join(layout) + "\n")
     rows = [ln.split()[1:] for ln in layout if ln.startswith("part ")]
-    core_len = int(next(ln.split()[3] for ln in layout if ln.startswith("group core")))
-    core_parts = (core_len + part_bytes - 1) // part_bytes
-    assert len(rows) > core_parts                       # the nccl group needs calls of its own
+    ends = {ln.split()[1]: int(ln.split()[2]) + int(ln.split()[3])
+            for ln in layout if ln.startswith("group ")}
+    core_parts = (ends["core"] + part_bytes - 1) // part_bytes
+    torch_parts = (ends["torch"] + part_bytes - 1) // part_bytes
+    assert len(rows) > torch_parts > core_parts      # torch and nccl need calls of their own
 
     carried = tmp_path / "carried"          # what one device call holds: a single cNN folder
     env = {"VLLM_MANIFEST": str(manifest), "VLLM_BUNDLE_DIR": str(carried),
@@ -151,13 +163,20 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
             for p in f.iterdir():
                 p.unlink()
             f.rmdir()
-        if i + 1 == core_parts:                 # core complete, nccl not: the shim's case
+        if i + 1 == core_parts:                 # core complete: vLLM on the image's torch
             assert "group core: complete" in out.stdout
+            assert "group torch: missing" in out.stdout and "image's torch" in out.stdout
+            out = _installer(env, "unpack")
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "torch group not carried" in out.stdout and "nccl group" not in out.stdout
+            check_unpacked([w.name for w in groups["core"]])
+        if i + 1 == torch_parts:                # torch complete, nccl not: the shim's case
+            assert "group torch: complete" in out.stdout
             assert "group nccl: missing" in out.stdout and "nccl_compat.c" in out.stdout
             out = _installer(env, "unpack")
             assert out.returncode == 0, out.stdout + out.stderr
             assert "nccl group not carried" in out.stdout
-            check_unpacked([w.name for w in groups["core"]])
+            check_unpacked([w.name for g in ("core", "torch") for w in groups[g]])
     assert "group core: complete" in out.stdout and "group nccl: complete" in out.stdout
     folder, name = rows[0][:2]                              # an earlier call's folder left over
     (carried / folder).mkdir(parents=True)

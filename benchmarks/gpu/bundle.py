@@ -1,6 +1,8 @@
 """Bundle builder: the wheels the lent GPU lacks for `vllm serve` + `vllm bench serve` with
 vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 60 MiB parts that
-travel one per device call (README.md).
+travel one per device call (README.md). Three groups, back to back: core (vLLM on the image's
+torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two carried only
+if the device's install asks for them.
 
     .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
     .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
@@ -41,6 +43,9 @@ CALL_BYTES = 64 << 20          # what one device call carries at most: the tree 
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
 XZ_MIN = 16 << 20              # wheels this big travel as xz (torch, vllm, triton: 21 -> 16 parts)
 GROUPS_AS_SHIPPED = {"nccl"}
+# Groups after core that travel only if the device asks (install_bundle.sh): why, for the manifest.
+OPTIONAL_GROUPS = {"torch": "sent only if the check on the image's torch fails: TORCH_STACK",
+                   "nccl": "sent only if the NCCL check fails: SHARED_LIBS"}
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 DEVICE_ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
@@ -89,11 +94,21 @@ IMAGE_VERSIONS = {
 # re-checks: a name whose absence breaks an import is dropped from this list).
 OPTIONAL_MODULES = ["flashinfer", "cutlass", "cudnn", "humming", "cuda.tile", "cutile_cache",
                     "fastsafetensors", "torchcodec", "tilelang"]
+# vLLM 0.32.0 pins torch 2.13.0, but its CUDA extensions use torch's stable C ABI alone: the 91
+# aoti_torch_* / torch_* symbols that _C_stable_libtorch, _moe_C_stable_libtorch and
+# vllm_flash_attn's _vllm_fa2_C / _vllm_fa3_C import (no C++ libtorch symbol) are all exported by
+# torch 2.11.0+cu130, the image's (nm -D on both wheels, 2026-11-26), and in a Python 3.12 venv
+# with torch 2.11.0+cu130 and triton 3.6.0 (a stand-in libcuda.so.1, no GPU) they load and
+# register their ops, and import_probe.py imports the whole serve path; vLLM's compile path keeps
+# branches for torch 2.10 / 2.11 (env_override.py, config/compilation.py). So these travel as a
+# group of their own after core, collected only if install's check on the image's torch fails
+# (vLLM's ops and FlashAttention against references on the GPU): 9 of the 13 core parts.
+TORCH_STACK = {"torch", "triton", "torchvision"}
 # Not imported but dlopen'ed: torch 2.13's libtorch_cuda.so needs 8 symbols that NCCL 2.28.9 (the
 # image's, by torch 2.11's pin) lacks: ncclCommSuspend/Resume/MemStats, ncclSignal/WaitSignal/
 # PutSignal, ncclGet{Peer,LsaMultimem}DevicePointer (checked with nm -D against both wheels).
 # nccl_compat.c defines them (single-GPU serving calls none), so this group, sent last, travels
-# only if the device's NCCL check fails with that shim (install_bundle.sh).
+# only if torch 2.13 did and the device's NCCL check fails with that shim (install_bundle.sh).
 SHARED_LIBS = {"nvidia-nccl-cu13": "2.29.7"}
 
 
@@ -295,8 +310,10 @@ def build(args) -> None:
     reserve = [r for r in reserve if r not in big]
     reuse += [(n, "?", f"unread, too big to hold in reserve; check on the device: {why[22:]}")
               for n, _, why, _ in big]
-    groups = {"core": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in carry] +
+    stack = [r for r in carry if canon(r[0]) in TORCH_STACK]
+    groups = {"core": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in carry if r not in stack] +
                       [("reserve", _wheel_for(wheels, r[0], r[1])) for r in reserve],
+              "torch": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in stack],
               "nccl": [("wheels", _wheel_for(wheels, n, v)) for n, v in SHARED_LIBS.items()]}
     for f in set(wheels.glob("*.whl")) - {w for g in groups.values() for _, w in g}:
         f.unlink()
@@ -354,9 +371,9 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
             sizes = by_group[g]
             out.append(f"# group {g}: {len(sizes)} wheels, {sum(sizes) / 2**20:.1f} MiB of wheels, "
                        f"tar {int(n) / 2**20:.1f} MiB in parts {first}-{last}"
-                       + (" (wheels as shipped; sent only if the NCCL check fails, see"
-                          " SHARED_LIBS)" if g in GROUPS_AS_SHIPPED else
-                          f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py)"))
+                       + (" (wheels as shipped" if g in GROUPS_AS_SHIPPED else
+                          f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py")
+                       + (f"; {OPTIONAL_GROUPS[g]})" if g in OPTIONAL_GROUPS else ")"))
     n_parts = sum(ln.startswith("part ") for ln in part_lines)
     out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: .bundle/c01 .. c{n_parts:02d}, "
                "one carried per device call")
@@ -385,17 +402,19 @@ def _fname(size: dict, name: str, version: str) -> str:
 def status(args) -> None:
     lines = MANIFEST.read_text().splitlines()
     parts = [ln.split() for ln in lines if ln.startswith("part ")]
-    optional = [(int(g[2]), int(g[2]) + int(g[3])) for g in map(str.split, lines)
-                if g[:1] == ["group"] and g[1] in GROUPS_AS_SHIPPED]
+    groups = [(g[1], int(g[2]), int(g[2]) + int(g[3])) for g in map(str.split, lines)
+              if g[:1] == ["group"]]
     start = 0
     for _, folder, name, nbytes, sha in parts:
         p = BUNDLE / folder / name
         ok = p.exists() and p.stat().st_size == int(nbytes) and (args.quick or _sha256(p) == sha)
-        only = any(lo <= start and start + int(nbytes) <= hi for lo, hi in optional)
+        # A part is optional when every group its bytes touch is (the first optional one says why).
+        touched = [g for g, lo, hi in groups if lo < start + int(nbytes) and start < hi]
+        only = next((OPTIONAL_GROUPS[g] for g in touched), "") \
+            if all(g in OPTIONAL_GROUPS for g in touched) else ""
         start += int(nbytes)
         print(f"call {folder[1:]}: carry .bundle/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
-              f"  {'ok' if ok else 'MISSING/BAD'}"
-              f"{'  (only if the NCCL check fails: SHARED_LIBS)' if only else ''}")
+              f"  {'ok' if ok else 'MISSING/BAD'}{f'  ({only})' if only else ''}")
     tree, call = largest_call_bytes()
     print(f"the tree that travels: {tree / 2**20:.2f} MiB; largest call {call / 2**20:.2f} MiB "
           f"of 64 MiB{'' if call < CALL_BYTES else ': TOO BIG, ignore or remove untracked files'}")

@@ -6,7 +6,9 @@
 #                                                    # (and a detached bench's progress)
 #   bash benchmarks/gpu/install_bundle.sh unpack     # reassemble the parts, verify every wheel
 #   bash benchmarks/gpu/install_bundle.sh install    # unpack, pip --target, link CUDA libs, check
-#   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vllm._C, the plugin
+#   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vLLM's ops, the plugin
+# vLLM runs on the image's torch 2.11 unless the torch group (torch 2.13, triton 3.7.1) was
+# collected: it is, only if check fails on the image's torch (bundle.py TORCH_STACK).
 #   bash benchmarks/gpu/install_bundle.sh gputests   # the GPU tests that need vLLM (#9's goals)
 #   eval "$(bash benchmarks/gpu/install_bundle.sh env)"   # exports for vllm serve / bench
 # Everything lives under /tmp, which the device keeps between calls while the machine is warm.
@@ -51,6 +53,8 @@ except m.PackageNotFoundError: print('')" "$1"
 group_complete() {
   local name; while read -r name _; do [ -f "$PARTS/$name" ] || return 1; done < <(parts_of "$1")
 }
+has_group() { awk -v g="$1" '$1 == "group" && $2 == g {f = 1} END {exit !f}' "$MANIFEST"; }
+torch_carried() { has_group torch && group_complete torch; }   # else: the image's torch
 c_compiler() { command -v gcc || command -v cc || command -v c++; }   # for nccl_compat.c
 nccl_needed() {     # true unless the image's NCCL is already >= NCCL_MIN
   local v; v=$(image_version nvidia-nccl-cu13)
@@ -96,8 +100,10 @@ collect() {   # copy the part(s) carried in this call to $PARTS and verify them 
   while read -r g; do
     missing=$(parts_of "$g" | while read -r name _; do
       [ -f "$PARTS/$name" ] || echo -n "$name "; done)
-    log "group $g: ${missing:+missing }${missing:-complete}${missing:+$( [ "$g" = nccl ] &&
-      echo "(carried only if install's NCCL check fails with nccl_compat.c)")}"
+    log "group $g: ${missing:+missing }${missing:-complete}${missing:+$(case $g in
+      torch) echo "(carried only if install's check fails on the image's torch)" ;;
+      nccl) echo "(carried only with torch, if install's NCCL check fails with nccl_compat.c)" ;;
+      esac)}"
   done < <(awk '$1 == "group" {print $2}' "$MANIFEST")
   bash benchmarks/gpu/detached_bench.sh status   # issue #9's bench, if one runs beside the parts
 }
@@ -140,17 +146,23 @@ unpack() {
   local t0=$SECONDS
   rm -rf "$WHEELS"
   assemble core
-  if ! nccl_needed; then log "image NCCL >= $NCCL_MIN: nccl group not needed"
-  elif group_complete nccl; then assemble nccl
-  else log "nccl group not carried: the image's NCCL $(image_version nvidia-nccl-cu13)" \
-           "with nccl_compat.c preloaded"; fi
+  if ! torch_carried; then
+    log "torch group not carried: vLLM on the image's torch $(image_version torch)" \
+        "(its extensions use torch's stable C ABI: bundle.py TORCH_STACK)"
+  else
+    assemble torch
+    if ! nccl_needed; then log "image NCCL >= $NCCL_MIN: nccl group not needed"
+    elif group_complete nccl; then assemble nccl
+    else log "nccl group not carried: the image's NCCL $(image_version nvidia-nccl-cu13)" \
+             "with nccl_compat.c preloaded"; fi
+  fi
   "$PY" benchmarks/gpu/recompress.py inflate "$WHEELS"     # big wheels travel as xz
   log "unpacked in $((SECONDS - t0)) s"
 }
 
-nccl_compat() {     # the shim, unless NCCL 2.29 came in the nccl group (carried: a real folder)
+nccl_compat() {     # torch 2.13's shim, unless NCCL 2.29 came in the nccl group (a real folder)
   rm -f "$COMPAT"
-  if nccl_needed && [ -L "$SITE/nvidia/nccl" ]; then
+  if torch_carried && nccl_needed && [ -L "$SITE/nvidia/nccl" ]; then
     local cc; cc=$(c_compiler || true)
     if [ -z "$cc" ]; then log "no C compiler for nccl_compat.c: carry the nccl group"; return 0; fi
     "$cc" -x c -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/nccl_compat.c
@@ -216,7 +228,7 @@ EOF
 
 check() {
   eval "$(print_env)"
-  "$PY" - "$MANIFEST" <<'PY'
+  TORCH_CARRIED=$(torch_carried && echo 1 || echo 0) "$PY" - "$MANIFEST" <<'PY'
 import importlib, importlib.metadata as md, os, sys
 from packaging.requirements import Requirement
 ok = True
@@ -260,6 +272,37 @@ for ext in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch")
         print("cannot load", ext, "-", e)
         ok &= ext != "vllm._C_stable_libtorch"     # 0.32's vllm._C (CUDA) goes by this name
 if cuda:
+    # vLLM's own CUDA ops on this torch against references: on the image's torch 2.11 they run
+    # through torch's stable C ABI only (bundle.py TORCH_STACK); wrong or failing means carry
+    # torch 2.13 after all.
+    try:
+        x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+        out = torch.empty_like(x)
+        torch.ops._C.rms_norm(out, x, w, 1e-6)
+        ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+        good = torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)   # bf16 rounding
+        err = (out.float() - ref).abs().max().item()
+        print(f"vllm._C rms_norm: {'ok' if good else 'WRONG'} (max |err| {err:.3g})")
+        ok &= good
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        q, k, v = (torch.randn(128, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        bounds = [(0, 48), (48, 128)]           # two sequences, causal, as a prefill runs them
+        cu = torch.tensor([0, 48, 128], device="cuda", dtype=torch.int32)
+        fa = get_flash_attn_version(head_size=128) or 2
+        o = flash_attn_varlen_func(q, k, v, max_seqlen_q=80, cu_seqlens_q=cu, max_seqlen_k=80,
+                                   cu_seqlens_k=cu, causal=True, fa_version=fa)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        ref = torch.cat([sdpa(*(t[a:b].transpose(0, 1) for t in (q, k, v)),
+                              is_causal=True).transpose(0, 1) for a, b in bounds])
+        good = torch.allclose(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        err = (o.float() - ref.float()).abs().max().item()
+        print(f"flash-attn {fa} varlen: {'ok' if good else 'WRONG'} (max |err| {err:.3g})")
+        ok &= good
+    except Exception as e:  # noqa: BLE001
+        print("vLLM's CUDA ops FAILED on this torch -", repr(e)[-1500:])
+        ok = False
     try:                    # informational: which FlashAttention the FLASH_ATTN backend gets
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
@@ -304,6 +347,9 @@ for name in names:      # warn only: a version that fails a pin may still import
             print(f"version warning: {name} wants {r.name}{r.specifier}, found {have}{why}")
 if cuda or os.environ.get("ALLOW_NO_GPU") == "1":
     print("CHECK", "OK" if ok else "FAILED")
+    if not ok and os.environ.get("TORCH_CARRIED") == "0":
+        print("  -> on the image's torch: carry the torch group's parts (collect; bundle.py "
+              "status marks them), then install again: torch 2.13 and triton 3.7.1 then")
 else:
     print("CHECK FAILED: no CUDA device"); ok = False
 sys.exit(0 if ok else 1)
