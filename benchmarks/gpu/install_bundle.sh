@@ -7,11 +7,11 @@
 #   bash benchmarks/gpu/install_bundle.sh unpack     # reassemble the parts, verify every wheel
 #   bash benchmarks/gpu/install_bundle.sh install    # unpack, pip --target, link CUDA libs, check
 #   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vLLM's ops, the plugin
-# vLLM runs on the image's torch 2.11 unless the torch group (torch 2.13, triton 3.7.1) was
-# collected: it is, only if check fails on the image's torch (bundle.py TORCH_STACK).
 #   bash benchmarks/gpu/install_bundle.sh gputests   # the GPU tests that need vLLM (#9's goals)
 #   eval "$(bash benchmarks/gpu/install_bundle.sh env)"   # exports for vllm serve / bench
 # Everything lives under /tmp, which the device keeps between calls while the machine is warm.
+# vLLM runs on the image's torch 2.11 unless the torch group (torch 2.13, triton 3.7.1) was
+# collected: it is, only if check fails on the image's torch (bundle.py TORCH_STACK).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
