@@ -290,6 +290,8 @@ def test_nccl_compat_defines_the_missing_symbols_and_fails_loudly(tmp_path):
 
 def test_installer_script_parses():
     assert subprocess.run(["bash", "-n", str(INSTALLER)]).returncode == 0
+    # its check runs on the device only: at least it must compile
+    compile((GPU / "install_check.py").read_text(), "install_check.py", "exec")
 
 
 def test_every_part_call_fits_what_a_device_call_carries():
