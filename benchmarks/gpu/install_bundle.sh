@@ -50,11 +50,12 @@ image_version() {   # the image's own version of a distribution, "" if absent
 try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: print('')" "$1"
 }
-group_complete() {
+has_group() { awk -v g="$1" '$1 == "group" && $2 == g {f = 1} END {exit !f}' "$MANIFEST"; }
+group_complete() {  # every part of group $1 collected (a group the manifest lacks never is)
+  has_group "$1" || return 1
   local name; while read -r name _; do [ -f "$PARTS/$name" ] || return 1; done < <(parts_of "$1")
 }
-has_group() { awk -v g="$1" '$1 == "group" && $2 == g {f = 1} END {exit !f}' "$MANIFEST"; }
-torch_carried() { has_group torch && group_complete torch; }   # else: the image's torch
+torch_carried() { group_complete torch; }   # else: the image's torch
 c_compiler() { command -v gcc || command -v cc || command -v c++; }   # for nccl_compat.c
 nccl_needed() {     # true unless the image's NCCL is already >= NCCL_MIN
   local v; v=$(image_version nvidia-nccl-cu13)

@@ -68,7 +68,7 @@ __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>&
   const int ht = x % p.chunk_head_tiles;
   x /= p.chunk_head_tiles;
   const int win = x % cs.windows, split = x / cs.windows;
-  // Node n's windows start at CTA floor(indptr[n] / chunk_seqs) + n: strictly increasing in n.
+  // Node n's windows start at item floor(indptr[n] / chunk_seqs) + n: strictly increasing in n.
   const int* ind = p.node_seq_indptr;
   int lo = 0, hi = cs.nodes - 1;
   while (lo < hi) {
