@@ -99,6 +99,18 @@ def test_tpot_is_per_sequence_and_kv_peaks_scale_by_capacity(report):
     assert int(combined[("custom", "random")]["peak_running"]) == 32
 
 
+def test_kv_peaks_leave_out_samples_cut_short():
+    # serve_ab.sh's sampler is killed at the end of a run (its last line may stop mid-write);
+    # a 3-field line made the per-call summary crash, and the call lost its table (CI, 2026-11-26).
+    tsv = ("1.00 random vllm:kv_cache_usage_perc 0.25\n"
+           "1.25 vllm:kv_cache_usage_perc 0.90\n"
+           "1.50 random vllm:kv_cache_usage_perc 0.40\n"
+           "1.75 random vllm:num_requests_running 7\n"
+           "2.00 random vllm:kv_cache")
+    assert serve_ab_report.peaks(tsv) == {("random", "vllm:kv_cache_usage_perc"): 0.40,
+                                          ("random", "vllm:num_requests_running"): 7.0}
+
+
 def test_goals_and_setup_in_the_markdown(report):
     _, _, md = report
     # 1700 / 1000 = 1.70 >= 1.6; 128 concurrent: 2400 / 1200 = 2.00; 1030 / 1050 = 0.981 >= 0.98;

@@ -136,7 +136,8 @@ with open(f"{work}/kv.tsv", "a") as out:
         try:
             text = urllib.request.urlopen(url, timeout=2).read().decode()
             w = open(f"{work}/current").read().strip()
-            for line in text.splitlines():
+            # empty: read while bench() rewrites it, no workload to tag this sample with
+            for line in text.splitlines() if w else []:
                 if line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_running")):
                     out.write(f"{time.time():.2f} {w} {line.split('{')[0]} {line.split()[-1]}\n")
             out.flush()

@@ -47,10 +47,14 @@ def kv_capacity_tokens(server_log: str) -> int:
 
 
 def peaks(kv_tsv: str) -> dict:
-    """(workload, metric) -> the largest sample (serve_ab.sh's kv.tsv: time workload metric value)."""
+    """(workload, metric) -> the largest sample (serve_ab.sh's kv.tsv: time workload metric value).
+    A line of another shape is a sample cut short where the sampler was stopped: left out."""
     out: dict = {}
     for line in kv_tsv.splitlines():
-        _, workload, metric, value = line.split()
+        fields = line.split()
+        if len(fields) != 4:
+            continue
+        _, workload, metric, value = fields
         key = (workload, metric)
         out[key] = max(out.get(key, 0.0), float(value))
     return out
