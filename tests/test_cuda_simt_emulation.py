@@ -212,7 +212,6 @@ def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     assert work["device_splits"] == 1 and work["chunk_splits"] == 1
 
 
-
 @pytest.mark.parametrize("resident", [2, 5])
 def test_a_padded_plans_ctas_loop_over_every_item(emu, resident):
     # A padded plan's grid holds one wave of chunk CTAs (resident_ctas / kv heads), whatever its
@@ -236,6 +235,7 @@ def test_a_padded_plans_ctas_loop_over_every_item(emu, resident):
         out, lse = run(emu, b, padded, seed=seed, resident_ctas=resident,
                        workspace=nan_workspace(slots, 8, 64))
         assert_matches_reference(b, exact, out, lse)
+
 
 def test_refuses_what_the_kernel_cannot_take(emu):
     b = batch("batch_1", dtype=torch.float32, head_size=64)

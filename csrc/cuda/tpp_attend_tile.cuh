@@ -90,11 +90,8 @@ __device__ __forceinline__ void merge_row_slots(const TppParams& p, const Sm& sm
   const int chunk_slots = (p.seq_partial_indptr[seq + 1] - k0) * cs.splits;
   const int total = chunk_slots + p.seq_splits - 1;
   for (int i = part; i < total; i += num_parts) {
-    int64_t slot;
-    if (i < chunk_slots)
-      slot = int64_t(i % cs.splits) * cs.partials + p.seq_partial_ids[k0 + i / cs.splits];
-    else
-      slot = int64_t(cs.splits) * cs.partials + int64_t(seq) * (p.seq_splits - 1) + (i - chunk_slots);
+    const int64_t slot = i < chunk_slots ? cs.chunk_slot(i % cs.splits, p.seq_partial_ids[k0 + i / cs.splits])
+                                         : cs.tail_slot(seq, 1 + i - chunk_slots, p.seq_splits);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int h = sm.row_out[rb * 16 + lane / 4 + 8 * r];

@@ -86,7 +86,7 @@ __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>&
     const bool valid = r < num_rows && hh < p.group;
     const int h = kv_head * p.group + hh;
     sm.row_q[r] = valid ? p.node_seq_ids[p_lo + j] * p.q_stride_seq + h * p.q_stride_head : -1;
-    sm.row_out[r] = valid ? int((int64_t(split) * cs.partials + p_lo + j) * p.num_heads + h) : -1;
+    sm.row_out[r] = valid ? int(cs.chunk_slot(split, p_lo + j) * p.num_heads + h) : -1;
   }
   __syncthreads();
   const int b0 = p.node_block_indptr[n];
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
     const int ht = x % p.seq_head_tiles;
     x /= p.seq_head_tiles;
     const int split = 1 + x % (p.seq_splits - 1), seq = x / (p.seq_splits - 1);
-    const int64_t slot = int64_t(cs.splits) * cs.partials + int64_t(seq) * (p.seq_splits - 1) + (split - 1);
+    const int64_t slot = cs.tail_slot(seq, split, p.seq_splits);
     seq_rows(p, sm.row_q, sm.row_out, seq, kv_head, ht, slot);
     __syncthreads();
     const TailRange t = tail_range<D>(p, seq, split, p.seq_splits);

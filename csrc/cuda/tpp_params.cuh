@@ -175,6 +175,11 @@ struct TppParams {
 // counts, read by every warp alike (no barrier), so both kernels of a launch agree.
 struct ChunkSplits {
   int splits, partials, windows, nodes;
+  // The slot layout, for the kernels that write slots and the merge that reads them.
+  __device__ int64_t chunk_slot(int split, int partial) const { return int64_t(split) * partials + partial; }
+  __device__ int64_t tail_slot(int seq, int split, int seq_splits) const {  // split >= 1
+    return int64_t(splits) * partials + int64_t(seq) * (seq_splits - 1) + (split - 1);
+  }
 };
 
 // The lowest lane whose `pred` holds (32 if none), in every lane; the whole warp calls it.
