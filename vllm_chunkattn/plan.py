@@ -94,6 +94,14 @@ def first_blocks_shared(block_table: np.ndarray, full: np.ndarray, min_sharers: 
     return k < 1 or bool((first[k:] == first[:-k]).any())
 
 
+def lexicographic_order(rows: np.ndarray) -> np.ndarray:
+    """np.lexsort(rows.T[::-1]) (stable, lexicographic by column 0, then 1, ...) in one sort of
+    byte strings instead of one sort per column: int32 with its sign bit flipped, big-endian, so
+    that bytewise (memcmp) order is numeric order. rows: [n, width] int32, C-contiguous."""
+    keys = (rows.view(np.uint32) ^ np.uint32(1 << 31)).astype(">u4")
+    return np.argsort(keys.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel(), kind="stable")
+
+
 def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2,
                max_partials: int | None = None, max_node_blocks: int | None = None) -> TppPlan:
     """Build the plan of a decode batch.
@@ -113,11 +121,11 @@ def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2,
     if not first_blocks_shared(bt, full, min_sharers):
         return empty_plan(num_seqs)                   # without the sort below (one per column)
     width = int(full.max())
-    # Blocks past a row's full prefix get a unique negative id so they never match.
-    cols = bt[:, :width].astype(np.int64)
-    pad = -1 - (np.arange(num_seqs, dtype=np.int64)[:, None] * width + np.arange(width)[None, :])
-    cols = np.where(np.arange(width)[None, :] < full[:, None], cols, pad)
-    order = np.lexsort(cols.T[::-1])                  # lexicographic: sharers become neighbours
+    # Blocks past a row's full prefix get an id of their own (negative, one per row) so they
+    # never match another row's block in the same column. Block ids are int32, as the kernel's.
+    cols = np.where(np.arange(width)[None, :] < full[:, None], bt[:, :width].astype(np.int32),
+                    -1 - np.arange(num_seqs, dtype=np.int32)[:, None])
+    order = lexicographic_order(cols)                 # sharers become neighbours
     srt = cols[order]
     # lcp[k] = common full-block prefix of sorted rows k and k+1.
     neq = srt[1:] != srt[:-1]
@@ -131,8 +139,7 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int,
     # [begin, end) of sorted rows with depth d shares blocks [parent_depth, d).
     nodes = []                                        # (depth_lo, depth_hi, begin, end)
     stack = [(0, 0)]                                  # (depth, begin)
-    for k in range(len(lcp) + 1):
-        cur = int(lcp[k]) if k < len(lcp) else 0
+    for k, cur in enumerate(lcp.tolist() + [0]):
         begin = k
         while stack[-1][0] > cur:
             depth, begin = stack.pop()
@@ -144,24 +151,29 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int,
     nodes.sort(key=lambda n: (n[2], n[0]))            # DFS order: parents before children
     if max_partials is not None or max_node_blocks is not None:
         nodes = _prune_to_fit(nodes, max_partials, max_node_blocks)
-    node_block_indptr, node_block_ids = [0], []
-    node_seq_indptr, node_seq_ids = [0], []
-    per_seq: list[list[int]] = [[] for _ in range(num_seqs)]
-    shared = np.zeros(num_seqs, np.int64)
-    for lo, hi, b, e in nodes:
-        node_block_ids.extend(srt[b, lo:hi].tolist())
-        node_block_indptr.append(len(node_block_ids))
-        for r in order[b:e]:
-            per_seq[r].append(len(node_seq_ids))
-            node_seq_ids.append(int(r))
-            shared[r] = max(shared[r], hi)
-        node_seq_indptr.append(len(node_seq_ids))
-    seq_partial_indptr = np.cumsum([0] + [len(p) for p in per_seq])
-    seq_partial_ids = [p for ps in per_seq for p in ps]
+    if not nodes:
+        return empty_plan(num_seqs)
+    lo, hi, begin, end = np.array(nodes, np.int64).T
+    node_block_indptr = np.concatenate([[0], np.cumsum(hi - lo)])
+    node_seq_indptr = np.concatenate([[0], np.cumsum(end - begin)])
+    # Node n's blocks: srt[begin[n], lo[n]:hi[n]]; its rows: order[begin[n]:end[n]].
+    node_block_ids = srt.ravel()[_concat_ranges(begin * srt.shape[1] + lo, node_block_indptr)]
+    node_seq_ids = order[_concat_ranges(begin, node_seq_indptr)]
+    shared = np.zeros(num_seqs, np.int64)             # a row's deepest node ends its prefix
+    np.maximum.at(shared, node_seq_ids, np.repeat(hi, end - begin))
+    # A row's partials in node (DFS) order: a stable sort of the partials by row.
+    seq_partial_ids = np.argsort(node_seq_ids, kind="stable")
+    seq_partial_indptr = np.concatenate([[0], np.cumsum(np.bincount(node_seq_ids,
+                                                                    minlength=num_seqs))])
     return TppPlan(num_seqs, len(nodes), len(node_seq_ids),
                    _as_int32(node_block_indptr), _as_int32(node_block_ids),
                    _as_int32(node_seq_indptr), _as_int32(node_seq_ids),
                    _as_int32(seq_partial_indptr), _as_int32(seq_partial_ids), _as_int32(shared))
+
+
+def _concat_ranges(starts: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """The ranges [starts[n], starts[n] + indptr[n+1] - indptr[n]) one after another."""
+    return np.repeat(starts - indptr[:-1], np.diff(indptr)) + np.arange(indptr[-1])
 
 
 def _prune_to_fit(nodes: list[tuple[int, int, int, int]], max_partials: int | None,
