@@ -15,7 +15,8 @@ import torch
 
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES, check_plan, jit_build
 from vllm_chunkattn.ops.native import native_ops
-from vllm_chunkattn.plan import PlanCache, TppPlan, build_plan
+from vllm_chunkattn.plan import TppPlan, build_plan
+from vllm_chunkattn.plan_cache import PlanCache
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
 ROOT = Path(__file__).resolve().parents[1]

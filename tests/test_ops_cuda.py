@@ -231,7 +231,7 @@ def test_cuda_graph_capacity_mode(ops, monkeypatch, overlap):
     # Captured with the final launch overlapped (a programmatic edge in the graph, sm_90+) or not.
     monkeypatch.setenv("CHUNKATTN_OVERLAP_FINAL", overlap)
     from vllm_chunkattn.ops import TppLaunch, TppWorkspace
-    from vllm_chunkattn.plan import PlanCache
+    from vllm_chunkattn.plan_cache import PlanCache
     from vllm_chunkattn.plan_capacity import PlanCapacity
     kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16, device="cuda",
               fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2)
@@ -348,7 +348,7 @@ def test_bad_shapes_fail_as_on_cpu(ops, error):
 
 def test_bad_plan_is_refused_on_the_host_before_the_copy():
     # The CUDA op reads no plan data (no sync); PlanCache checks the host plan for it.
-    from vllm_chunkattn.plan import PlanCache
+    from vllm_chunkattn.plan_cache import PlanCache
     b = make_batch("system_prompts", seed=9, num_heads=8, num_kv_heads=2, dtype=torch.float16)
     bt, sl = b.block_table.cpu(), b.seq_lens.cpu()
     bt[0, (int(sl[0]) - 1) // b.block_size] = b.key_cache.shape[0]
@@ -366,7 +366,7 @@ class _DecodeSteps:
 
     def __init__(self, capacity: bool, seeds: tuple[int, int]):
         from vllm_chunkattn.ops import TppWorkspace
-        from vllm_chunkattn.plan import PlanCache
+        from vllm_chunkattn.plan_cache import PlanCache
         from vllm_chunkattn.plan_capacity import PlanCapacity
         kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
         self.batches = [make_batch("system_prompts", seed=seeds[0], **kw),

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_chunkattn.plan import PlanCache, build_plan, lexicographic_order
+from vllm_chunkattn.plan import build_plan, lexicographic_order
+from vllm_chunkattn.plan_cache import PlanCache
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
 
@@ -93,6 +94,68 @@ def test_plan_cache_rebuilds_only_when_full_blocks_change():
     p4 = cache.get(bt2[[1, 0]], torch.tensor([37, 48]))  # batch reordered
     assert p4 is not p3 and cache.num_builds == 3
     assert int(p1.seq_num_shared_blocks[0]) == 2
+
+
+def test_plan_cache_keeps_the_plan_while_rows_grow_past_a_private_full_block():
+    bs = 16
+    bt = torch.tensor([[1, 2, 3, 8, 0], [1, 2, 4, 0, 0], [1, 5, 0, 0, 0]], dtype=torch.int32)
+    cache = PlanCache(bs)
+    p1 = cache.get(bt, torch.tensor([49, 40, 20]))     # full blocks: [1 2 3], [1 2], [1]
+    bt2 = bt.clone()
+    bt2[0, 4] = 9
+    # Row 0 fills block 8 (after its private block 3), row 1 its block 4 (after shared [1 2]):
+    # row 1's new block might have been shared, so that step rebuilds.
+    p2 = cache.get(bt2, torch.tensor([65, 40, 20]))
+    assert p2 is p1 and cache.num_builds == 1 and cache.num_reuses == 1
+    p3 = cache.get(bt2, torch.tensor([65, 49, 20]))
+    assert p3 is not p1 and cache.num_builds == 2
+    # Row 2 fills block 5 after shared [1]: rebuild; a row whose count falls: rebuild.
+    assert cache.get(bt2, torch.tensor([65, 49, 33])) is not p3 and cache.num_builds == 3
+    assert cache.get(bt2, torch.tensor([48, 49, 33])) is not None and cache.num_builds == 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_cache_returns_build_plans_plan_every_step(seed):
+    # A decode run with rows that grow, fill blocks that are new or copy another row's block in
+    # the same column (so new sharing appears), get replaced and reordered: every step the cached
+    # plan is build_plan's for that step's table, reused or not, up to the order of a node's rows
+    # (a rebuild sorts them by their private blocks too; the kernel's result does not depend on it).
+    def tree(plan):
+        nb, nbi = plan.node_block_indptr.tolist(), plan.node_block_ids.tolist()
+        ns, nsi = plan.node_seq_indptr.tolist(), plan.node_seq_ids.tolist()
+        node_of_partial = np.repeat(np.arange(plan.num_nodes), np.diff(ns)).tolist()
+        sp, spi = plan.seq_partial_indptr.tolist(), plan.seq_partial_ids.tolist()
+        nodes = [(nbi[nb[n]:nb[n + 1]], sorted(nsi[ns[n]:ns[n + 1]])) for n in range(plan.num_nodes)]
+        row_nodes = [[node_of_partial[p] for p in spi[sp[i]:sp[i + 1]]] for i in range(plan.num_seqs)]
+        assert all(nsi[p] == i for i in range(plan.num_seqs) for p in spi[sp[i]:sp[i + 1]])
+        return nodes, row_nodes, plan.seq_num_shared_blocks.tolist()
+
+    rng = np.random.default_rng(seed)
+    bs, rows, width = 4, 6, 10
+    table = rng.integers(1, 8, size=(rows, width)).astype(np.int32)
+    lens = rng.integers(1, 3 * bs, size=rows)
+    table[:, 1:] = table[:, :1]                      # a common start makes sharing likely
+    next_id = 100
+    cache = PlanCache(bs)
+    for step in range(300):
+        assert tree(cache.get(table, lens)) == tree(build_plan(table, lens, bs)), step
+        event = rng.random()
+        if event < 0.05:                             # a row finishes, another takes its slot
+            i = rng.integers(rows)
+            lens[i] = rng.integers(1, width * bs // 2)
+            table[i] = table[rng.integers(rows)]
+        elif event < 0.08:
+            perm = rng.permutation(rows)
+            table, lens = table[perm].copy(), lens[perm].copy()
+        for i in range(rows):
+            if lens[i] < width * bs and rng.random() < 0.5:
+                lens[i] += 1
+                if (lens[i] - 1) % bs == 0:          # a new block: fresh, or another row's
+                    col = (lens[i] - 1) // bs
+                    j = rng.integers(rows)
+                    table[i, col] = table[j, col] if rng.random() < 0.3 else next_id
+                    next_id += 1
+    assert cache.num_reuses > 50 and cache.num_builds > 20
 
 
 def test_plan_cache_with_nothing_shared_keys_on_the_row_count():

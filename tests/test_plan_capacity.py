@@ -5,7 +5,8 @@ import torch
 
 from test_plan import decompose
 from vllm_chunkattn.ops.reference import dense_decode_oracle, tpp_decode_reference
-from vllm_chunkattn.plan import PlanCache, build_plan
+from vllm_chunkattn.plan import build_plan
+from vllm_chunkattn.plan_cache import PlanCache
 from vllm_chunkattn.plan_capacity import PARTIALS_PER_ROW, PlanCapacity, pad_plan
 from vllm_chunkattn.plan_staging import FIELDS
 from vllm_chunkattn.testing import TREE_SPECS, caterpillar_batch, pad_batch, random_tree_batch

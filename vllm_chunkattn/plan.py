@@ -19,7 +19,6 @@ every token of a node and the chunk-first phase needs no mask.
 from __future__ import annotations
 
 import heapq
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +101,42 @@ def lexicographic_order(rows: np.ndarray) -> np.ndarray:
     return np.argsort(keys.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel(), kind="stable")
 
 
+def full_blocks(block_table: np.ndarray, full: np.ndarray, width: int) -> np.ndarray:
+    """[num_seqs, width] int32: each row's full blocks, then an id of the row's own (negative,
+    one per row) so that no block past a row's full prefix matches another row's in its column.
+    Block ids are int32, as the kernel's."""
+    return np.where(np.arange(width)[None, :] < full[:, None],
+                    block_table[:, :width].astype(np.int32),
+                    -1 - np.arange(full.shape[0], dtype=np.int32)[:, None])
+
+
+@dataclass
+class SortedRows:
+    """A decode batch's rows in lexicographic order of their full blocks: sharers are neighbours."""
+    rows: np.ndarray      # [num_seqs, width] full_blocks of the batch, in row order
+    order: np.ndarray     # [num_seqs] the row at each sorted position
+    sorted: np.ndarray    # rows[order]
+    lcp: np.ndarray       # [num_seqs - 1] full blocks sorted rows k and k+1 have in common
+
+    @classmethod
+    def of(cls, block_table: np.ndarray, full: np.ndarray) -> "SortedRows":
+        width = int(full.max())
+        rows = full_blocks(block_table, full, width)
+        order = lexicographic_order(rows)
+        srt = rows[order]
+        neq = srt[1:] != srt[:-1]
+        lcp = np.where(neq.any(axis=1), neq.argmax(axis=1), width).astype(np.int64)
+        return cls(rows, order, srt, lcp)
+
+    def depths(self) -> np.ndarray:
+        """Per row, in row order: the most leading full blocks it has in common with another row
+        (its plan's seq_num_shared_blocks unless the plan was pruned to a capacity)."""
+        edges = np.concatenate([[0], self.lcp, [0]])
+        depth = np.empty(self.order.shape[0], np.int64)
+        depth[self.order] = np.maximum(edges[:-1], edges[1:])
+        return depth
+
+
 def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2,
                max_partials: int | None = None, max_node_blocks: int | None = None) -> TppPlan:
     """Build the plan of a decode batch.
@@ -114,23 +149,24 @@ def build_plan(block_table, seq_lens, block_size: int, min_sharers: int = 2,
     Cost: O(num_seqs * max_blocks) to sort (none when no first block is shared) plus
     O(num_seqs) for the tree.
     """
-    bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
-    sl = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, np.int64)
-    num_seqs = int(sl.shape[0])
-    full = sl // block_size                           # only full blocks may be shared
+    full = _host(seq_lens).astype(np.int64) // block_size      # only full blocks are shared
+    return _build(_host(block_table), full, min_sharers, max_partials, max_node_blocks)[0]
+
+
+def _host(a) -> np.ndarray:
+    return np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a)
+
+
+def _build(bt: np.ndarray, full: np.ndarray, min_sharers: int = 2,
+           max_partials: int | None = None, max_node_blocks: int | None = None
+           ) -> tuple[TppPlan, SortedRows | None]:
+    """build_plan, and the sorted rows it came from (None: the empty plan, without a sort)."""
+    num_seqs = int(full.shape[0])
     if not first_blocks_shared(bt, full, min_sharers):
-        return empty_plan(num_seqs)                   # without the sort below (one per column)
-    width = int(full.max())
-    # Blocks past a row's full prefix get an id of their own (negative, one per row) so they
-    # never match another row's block in the same column. Block ids are int32, as the kernel's.
-    cols = np.where(np.arange(width)[None, :] < full[:, None], bt[:, :width].astype(np.int32),
-                    -1 - np.arange(num_seqs, dtype=np.int32)[:, None])
-    order = lexicographic_order(cols)                 # sharers become neighbours
-    srt = cols[order]
-    # lcp[k] = common full-block prefix of sorted rows k and k+1.
-    neq = srt[1:] != srt[:-1]
-    lcp = np.where(neq.any(axis=1), neq.argmax(axis=1), width).astype(np.int64)
-    return _plan_from_lcp(order, srt, lcp, num_seqs, min_sharers, max_partials, max_node_blocks)
+        return empty_plan(num_seqs), None
+    rows = SortedRows.of(bt, full)
+    return _plan_from_lcp(rows.order, rows.sorted, rows.lcp, num_seqs, min_sharers, max_partials,
+                          max_node_blocks), rows
 
 
 def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int,
@@ -215,73 +251,3 @@ def _prune_to_fit(nodes: list[tuple[int, int, int, int]], max_partials: int | No
             if children[parent[k]] == 0:
                 heapq.heappush(leaves, saving(parent[k]))
     return [n for k, n in enumerate(nodes) if k not in dropped]
-
-
-class PlanCache:
-    """Rebuilds the plan only when the sharing structure can have changed (the paper's lazy
-    context copy): the block ids of every row's full blocks and the number of full blocks. While
-    rows only grow inside their private tail blocks the plan is reused as is.
-    CHUNKATTN_PLAN_CACHE=0 rebuilds every step (for `bench ablation`).
-
-    The CPU op checks the plan's indices on every call; a device op checks only shapes (reading
-    a device plan would sync every layer), so for a device the host plan is checked here, every
-    step, before it is copied (ops.check_plan: the CPU op's checks and messages). On CUDA a new
-    plan goes to persistent device buffers through pinned staging (plan_staging.py): no sync."""
-
-    def __init__(self, block_size: int, device: torch.device | str = "cpu",
-                 check_on_host: bool | None = None, capacity=None):
-        """capacity: a plan_capacity.PlanCapacity for CUDA graphs: every plan is pruned to fit
-        it and padded to it, in one device buffer that never moves (None: exact plans)."""
-        self.enabled = os.environ.get("CHUNKATTN_PLAN_CACHE", "1") != "0"
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.check_on_host = self.device.type != "cpu" if check_on_host is None else check_on_host
-        self.capacity = capacity
-        self._key: tuple[np.ndarray, ...] | None = None
-        self._host_plan: TppPlan | None = None
-        self._plan: TppPlan | None = None
-        self._staging = None
-        if self.device.type == "cuda" or capacity is not None:
-            from .plan_staging import PlanStaging      # (it imports this module)
-            self._staging = (PlanStaging(self.device) if capacity is None
-                             else PlanStaging(self.device, capacity=capacity.num_ints))
-        self.num_builds = 0
-        self.num_reuses = 0
-        self.shared_kv_tokens = 0     # of the current plan
-
-    def get(self, block_table, seq_lens, num_blocks: int | None = None) -> TppPlan:
-        """block_table, seq_lens: host arrays/tensors of the decode rows (see build_plan);
-        num_blocks: of the KV cache, for the host check (None: unknown)."""
-        bt = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
-        sl = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
-        full = sl // self.block_size
-        if first_blocks_shared(bt, full):
-            width = int(full.max())
-            key = (full, np.where(np.arange(width)[None, :] < full[:, None], bt[:, :width], -1))
-        else:                     # nothing shared: the empty plan, of as many rows
-            key = (np.asarray(full.shape),)
-        if (self.enabled and self._key is not None and self._plan is not None
-                and len(self._key) == len(key)
-                and all(np.array_equal(a, b) for a, b in zip(self._key, key))):
-            self.num_reuses += 1
-            self._check(bt, sl, num_blocks)   # the private tails have new blocks
-            return self._plan
-        cap = self.capacity
-        plan = build_plan(bt, sl, self.block_size) if cap is None else build_plan(
-            bt, sl, self.block_size, max_partials=cap.num_partials,
-            max_node_blocks=cap.num_node_blocks)
-        self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
-        self._host_plan = plan
-        self._check(bt, sl, num_blocks)
-        if cap is not None:
-            from .plan_capacity import pad_plan            # (it imports this module)
-            plan = pad_plan(plan, cap)
-        self._plan = plan.to(self.device) if self._staging is None else self._staging.upload(plan)
-        self._key = key
-        self.num_builds += 1
-        return self._plan
-
-    def _check(self, bt: np.ndarray, sl: np.ndarray, num_blocks: int | None) -> None:
-        if self.check_on_host:
-            from .ops.native import check_plan        # (ops imports this module)
-            check_plan(self._host_plan, bt, sl, self.block_size, num_blocks)

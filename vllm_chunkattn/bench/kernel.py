@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ..kv_layout import alloc_kv_cache, kv_cache_views
 from ..ops import TppLaunch, TppWorkspace
-from ..plan import PlanCache, build_plan, empty_plan
+from ..plan import build_plan, empty_plan
+from ..plan_cache import PlanCache
 from . import provenance
 from .timing import Timer
 

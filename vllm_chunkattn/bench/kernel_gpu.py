@@ -41,7 +41,8 @@ import torch
 
 from ..ops import TppWorkspace
 from ..ops.reference import tpp_decode_reference
-from ..plan import PlanCache, build_plan, empty_plan
+from ..plan import build_plan, empty_plan
+from ..plan_cache import PlanCache
 from ..plan_capacity import PlanCapacity
 from . import provenance
 from .cascade_levels import cascade_levels

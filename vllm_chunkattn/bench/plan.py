@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plan import PlanCache, build_plan
+from ..plan import build_plan
+from ..plan_cache import PlanCache
 
 SHAPES = {  # name: (prefixes, shared tokens, private tokens)
     "16 prompts x n samples, 2048 shared": (16, 2048, 200),

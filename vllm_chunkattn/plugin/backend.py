@@ -26,7 +26,8 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 from .. import __version__
 from ..kv_layout import kv_cache_views
 from ..ops import CUDA_BLOCK_SIZES, TppLaunch, TppWorkspace, cuda_fit, kernel_name
-from ..plan import PlanCache, TppPlan
+from ..plan import TppPlan
+from ..plan_cache import PlanCache
 from ..plan_capacity import PlanCapacity
 from . import logger
 from .host_block_table import host_block_table, host_seq_lens
