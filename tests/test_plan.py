@@ -6,6 +6,7 @@ import torch
 
 from vllm_chunkattn.plan import build_plan, lexicographic_order
 from vllm_chunkattn.plan_cache import PlanCache
+from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
 
@@ -114,12 +115,15 @@ def test_plan_cache_keeps_the_plan_while_rows_grow_past_a_private_full_block():
     assert cache.get(bt2, torch.tensor([48, 49, 33])) is not None and cache.num_builds == 4
 
 
+@pytest.mark.parametrize("capacity", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_plan_cache_returns_build_plans_plan_every_step(seed):
+def test_plan_cache_returns_build_plans_plan_every_step(seed, capacity):
     # A decode run with rows that grow, fill blocks that are new or copy another row's block in
     # the same column (so new sharing appears), get replaced and reordered: every step the cached
     # plan is build_plan's for that step's table, reused or not, up to the order of a node's rows
     # (a rebuild sorts them by their private blocks too; the kernel's result does not depend on it).
+    # capacity: plans pruned to a CUDA graph's small capacities (2 partials a row, 6 node blocks)
+    # and padded to them, against build_plan's pruned plan padded the same way.
     def tree(plan):
         nb, nbi = plan.node_block_indptr.tolist(), plan.node_block_ids.tolist()
         ns, nsi = plan.node_seq_indptr.tolist(), plan.node_seq_ids.tolist()
@@ -136,9 +140,16 @@ def test_plan_cache_returns_build_plans_plan_every_step(seed):
     lens = rng.integers(1, 3 * bs, size=rows)
     table[:, 1:] = table[:, :1]                      # a common start makes sharing likely
     next_id = 100
-    cache = PlanCache(bs)
+    cap = PlanCapacity(rows, rows - 1, 2 * rows, 6) if capacity else None
+    cache = PlanCache(bs, capacity=cap)
+
+    def want():
+        if cap is None:
+            return build_plan(table, lens, bs)
+        return pad_plan(build_plan(table, lens, bs, max_partials=cap.num_partials,
+                                   max_node_blocks=cap.num_node_blocks), cap)
     for step in range(300):
-        assert tree(cache.get(table, lens)) == tree(build_plan(table, lens, bs)), step
+        assert tree(cache.get(table, lens)) == tree(want()), step
         event = rng.random()
         if event < 0.05:                             # a row finishes, another takes its slot
             i = rng.integers(rows)
