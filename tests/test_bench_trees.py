@@ -23,7 +23,8 @@ from vllm_chunkattn.bench.kernel_trees import (LLAMA3_8B, PAPER, SMOKE, AttnShap
 from vllm_chunkattn.bench.roofline import (chunk_first_flops, chunk_first_rows,
                                            kv_bytes_per_token, roofline_us, unique_kv_tokens)
 from vllm_chunkattn.ops import dense_decode_oracle
-from vllm_chunkattn.plan import build_plan
+from vllm_chunkattn.ops.reference import tpp_decode_reference
+from vllm_chunkattn.plan import build_plan, empty_plan
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
 
@@ -363,12 +364,18 @@ class _FakeWrapper:
         self.levels = CascadeLevels(np.arange(int(arrays[0][0][-1])), *arrays, 0)
         self.page_size, self.scale = page_size, kw["sm_scale"]
 
-    def run(self, q, paged_kv_cache, out=None):
+    def run(self, q, paged_kv_cache, out=None, return_lse=False):
         key, value = paged_kv_cache.unbind(dim=1)          # [pages, 2, page, kv heads, head]
-        result, _ = emulate_cascade(self.levels, q, key, value, self.page_size, self.scale)
-        if out is None:
-            return result.to(q.dtype)
-        return out.copy_(result)
+        result, lse = emulate_cascade(self.levels, q, key, value, self.page_size, self.scale)
+        result = result.to(q.dtype) if out is None else out.copy_(result)
+        return (result, lse * math.log2(math.e)) if return_lse else result   # FlashInfer: log2
+
+
+def _fake_merge_state(v_a, s_a, v_b, s_b):
+    """flashinfer.merge_state: two (output, base-2 LSE) states of one row and head merged."""
+    s = torch.logaddexp2(s_a, s_b)
+    w_a, w_b = torch.exp2(s_a - s).nan_to_num(0.0), torch.exp2(s_b - s).nan_to_num(0.0)
+    return (v_a * w_a[..., None] + v_b * w_b[..., None]).to(v_a.dtype), s
 
 
 class _FakeCascade(_FakeWrapper):
@@ -392,7 +399,8 @@ def test_flashinfer_glue_reorders_rows_and_passes_the_levels(monkeypatch):
     from vllm_chunkattn.bench import flashinfer_baselines as fib
     from vllm_chunkattn.bench.kernel import KvPool
     fake = types.SimpleNamespace(MultiLevelCascadeAttentionWrapper=_FakeCascade,
-                                 BatchDecodeWithPagedKVCacheWrapper=_FakeDecode)
+                                 BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
+                                 merge_state=_fake_merge_state)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     point = smoke_grid()[-1]                                  # uneven: empty groups too
     pool = KvPool(point.blocks_needed() + 1, 16, SMOKE.num_kv_heads, SMOKE.head_size,
@@ -406,13 +414,50 @@ def test_flashinfer_glue_reorders_rows_and_passes_the_levels(monkeypatch):
     assert not levels.is_identity_order()
     ref, _ = dense_decode_oracle(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
                                  bt.seq_lens, bt.scale)
-    for fn in (fib.multi_level_cascade(bt, levels, 16), fib.batch_decode(bt, 16)):
+    plan = build_plan(bt.block_table, bt.seq_lens, 16)
+    for fn in (fib.multi_level_cascade(bt, levels, 16), fib.batch_decode(bt, 16),
+               fib.ours_with_fi_tails(bt, plan, 16)):
         torch.testing.assert_close(fn().double(), ref, atol=1e-4, rtol=1e-4)
     fib.warm(torch.float32, torch.device("cpu"))          # the JIT warm-up's calls, end to end
 
 
+@pytest.mark.parametrize("spec", ["system_prompts", "deep_tree", "no_sharing"])
+def test_tails_split_at_the_plans_shared_blocks(spec):
+    # ours_with_fi_tails' two halves: our op with every row cut to its shared nodes (the CPU op,
+    # LSE natural), the reference over page_lists' private tails; merged they are the decode.
+    from vllm_chunkattn.bench.flashinfer_baselines import page_lists
+    from vllm_chunkattn.ops import tpp_decode
+    b = random_tree_batch(3, **TREE_SPECS[spec])
+    bs, n = b.block_size, b.query.shape[0]
+    plan = build_plan(b.block_table, b.seq_lens, bs)
+    shared = plan.seq_num_shared_blocks.long()
+    out_s, lse_s = torch.empty_like(b.query), torch.empty(n, b.query.shape[1])
+    tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table,
+               (shared * bs).to(torch.int32), plan, b.scale, out_s, lse_s)
+    indptr, indices, last = page_lists(b.block_table, b.seq_lens, bs, first_blocks=shared)
+    assert indptr[-1] == len(indices)
+    tails = torch.zeros_like(b.block_table)
+    tail_lens = torch.zeros(n, dtype=torch.int32)
+    for i in range(n):
+        pages = indices[indptr[i]:indptr[i + 1]]
+        tails[i, :len(pages)] = pages
+        tail_lens[i] = (len(pages) - 1) * bs + int(last[i])
+        assert int(tail_lens[i]) == int(b.seq_lens[i]) - int(shared[i]) * bs
+    out_t, lse_t = tpp_decode_reference(b.query, b.key_cache, b.value_cache, tails, tail_lens,
+                                        empty_plan(n), b.scale, return_lse=True)
+    log2e = math.log2(math.e)
+    merged, _ = _fake_merge_state(out_s.float(), lse_s * log2e, out_t.float(), lse_t * log2e)
+    ref, _ = dense_decode_oracle(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                                 b.scale)
+    torch.testing.assert_close(merged.double(), ref, atol=1e-4, rtol=1e-4)
+    if spec != "no_sharing":
+        assert (shared > 0).any() and (lse_s == float("-inf")).sum() < lse_s.numel()
+    with pytest.raises(ValueError, match="without a token past"):
+        page_lists(b.block_table, b.seq_lens, bs, first_blocks=-(-b.seq_lens.long() // bs))
+
+
 def test_flashinfer_graph_contenders_and_a_capture_that_fails(monkeypatch):
-    """On CUDA both FlashInfer wrappers are also replayed from a graph; a capture that fails is
+    """On CUDA the FlashInfer contenders are also replayed from a graph; a capture that fails is
     reported, and not retried on later points (fi_broken). The capture is stood in for here."""
     import sys
     import types
@@ -440,23 +485,25 @@ def test_flashinfer_graph_contenders_and_a_capture_that_fails(monkeypatch):
     cuda = torch.device("cuda")
     fail, broken = False, {}
     fns, missing = kernel_gpu.make_contenders(bt, plan, levels, 16, cuda, "", broken)
-    assert {"ours_graph", "ours_vllm_graph", "fi_decode_graph", "fi_cascade_graph"} <= set(fns)
-    assert fns["fi_decode_graph"] is fns["fi_decode"] and len(captures) == 4 and not broken
+    assert {"ours_graph", "ours_vllm_graph", "fi_decode_graph", "fi_tails_graph",
+            "fi_cascade_graph"} <= set(fns)
+    assert fns["fi_decode_graph"] is fns["fi_decode"] and len(captures) == 5 and not broken
     ref, _ = dense_decode_oracle(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
                                  bt.seq_lens, bt.scale)
     torch.testing.assert_close(fns["fi_cascade_graph"]().double(), ref, atol=1e-4, rtol=1e-4)
 
     fail, captures[:] = True, []
     fns, missing = kernel_gpu.make_contenders(bt, plan, levels, 16, cuda, "", broken)
-    assert "fi_decode_graph" not in fns and "fi_cascade_graph" not in fns
+    assert not {"fi_decode_graph", "fi_tails_graph", "fi_cascade_graph"} & set(fns)
     assert missing["fi_decode_graph"] == ("RuntimeError: operation not permitted when stream is "
                                           "capturing")
-    assert set(broken) == {("fi_decode_graph", torch.float32), ("fi_cascade_graph", torch.float32)}
+    assert set(broken) == {("fi_decode_graph", torch.float32), ("fi_tails_graph", torch.float32),
+                           ("fi_cascade_graph", torch.float32)}
     captures[:] = []
     fns, missing = kernel_gpu.make_contenders(bt, plan, levels, 16, cuda, "", broken)
     assert len(captures) == 2                              # only ours: no retry of FlashInfer's
     assert missing["fi_cascade_graph"].startswith("capture failed on an earlier point")
-    assert {"fi_decode", "fi_cascade"} <= set(fns)          # the eager calls still run
+    assert {"fi_decode", "fi_tails", "fi_cascade"} <= set(fns)   # the eager calls still run
 
 
 def test_a_captured_graph_keeps_what_its_replays_read(monkeypatch):

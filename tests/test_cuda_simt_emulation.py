@@ -176,6 +176,22 @@ def test_capacity_mode_padding(emu):
         assert torch.isneginf(lse[n:]).all()
 
 
+@pytest.mark.parametrize("spec", ["system_prompts", "deep_tree", "long"])
+def test_shared_nodes_alone(emu, spec):
+    # bench's ours_with_fi_tails: every row's seq_len cut to the tokens its shared nodes cover,
+    # so rows with nodes have no private tail at all and rows without any have seq_len 0.
+    b = batch(spec, seed=4, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+              dtype=torch.bfloat16)
+    plan = plan_of(b)
+    b.seq_lens = (plan.seq_num_shared_blocks * b.block_size).to(torch.int32)
+    assert (b.seq_lens > 0).any()
+    out, lse = run(emu, b, plan)
+    assert_matches_reference(b, plan, out, lse)
+    empty = b.seq_lens == 0
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isneginf(lse[empty]).all()
+
+
 @pytest.mark.parametrize("shared_blocks,resident", [(40, 32), (80, 6)])
 def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     # A CUDA graph replays plans padded to its batch size's capacities: rows - 1 nodes, most of

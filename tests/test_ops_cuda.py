@@ -70,6 +70,21 @@ def test_tree_specs(ops, spec, dtype):
     check(b, plan, *run(ops, b, plan))
 
 
+@pytest.mark.parametrize("spec", ["system_prompts", "deep_tree"])
+def test_shared_nodes_alone(ops, spec):
+    # bench's ours_with_fi_tails (test_cuda_simt_emulation's twin): every row cut to the tokens
+    # its shared nodes cover; rows with nodes have no tail, rows without any have seq_len 0.
+    b = make_batch(spec, seed=4, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+                   dtype=torch.bfloat16)
+    plan = plan_of(b)
+    b.seq_lens = (plan.seq_num_shared_blocks * b.block_size).to(torch.int32)
+    out, lse = run(ops, b, plan)
+    check(b, plan, out, lse)
+    empty = b.seq_lens == 0
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isneginf(lse[empty]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("heads", HEADS)

@@ -3,6 +3,8 @@
   batch decode:  BatchDecodeWithPagedKVCacheWrapper, NHD pages, one page list per row (shared
                  pages repeated in every row that reads them), on tensor cores as vLLM's
                  FLASHINFER backend runs it (use_tensor_cores=True);
+  ours + tails:  our op over the plan's shared nodes, FlashInfer batch decode over the private
+                 tails, FlashInfer's merge_state (ours_with_fi_tails);
   cascade:       MultiLevelCascadeAttentionWrapper with the levels of cascade_levels.py. It runs one
                  BatchPrefillWithPagedKVCacheWrapper per level (backend "auto": FA3 on sm_90)
                  and merges their states with merge_state_in_place. causal=False, which is exact for
@@ -33,6 +35,7 @@ import torch
 from .cascade_levels import CascadeLevels
 
 WORKSPACE_BYTES = 128 << 20      # FlashInfer's recommended float workspace
+LOG2E = 1.4426950408889634
 
 
 def flashinfer_version() -> tuple[str | None, str]:
@@ -54,26 +57,69 @@ def _workspace(device) -> torch.Tensor:
     return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def batch_decode(bt, block_size: int):
+def page_lists(table: torch.Tensor, lens: torch.Tensor, block_size: int,
+               first_blocks: torch.Tensor | None = None):
+    """FlashInfer's paged-KV lists of the rows (host int32): indptr, page indices, last page
+    lengths. first_blocks: blocks to skip at the start of each row (its shared nodes, plan
+    seq_num_shared_blocks): the lists then hold each row's private tail alone."""
+    table, lens = table.cpu(), lens.cpu().long()
+    first = torch.zeros_like(lens) if first_blocks is None else first_blocks.cpu().long()
+    if (lens - first * block_size < 1).any():
+        raise ValueError("a row without a token past its first_blocks")
+    end = -(-lens // block_size)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(end - first, 0)
+    indices = torch.cat([table[i, a:b] for i, (a, b) in enumerate(zip(first.tolist(),
+                                                                       end.tolist()))])
+    return indptr, indices, ((lens - 1) % block_size + 1).to(torch.int32)
+
+
+def _decode_wrapper(bt, block_size: int, first_blocks: torch.Tensor | None = None):
+    """A planned BatchDecodeWithPagedKVCacheWrapper over the rows (or their tails), and the KV it
+    reads: the paged pool itself, or dense K and V copies of another layout."""
     import flashinfer
-    num_seqs, num_heads, head_size = bt.query.shape
-    num_kv_heads = bt.key_cache.shape[2]
+    _, num_heads, head_size = bt.query.shape
     dev = bt.query.device
-    pages = (-(-bt.seq_lens.long() // block_size)).cpu()
-    indptr = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(pages, 0)
-    table = bt.block_table.cpu()
-    indices = torch.cat([table[i, :int(p)] for i, p in enumerate(pages.tolist())])
-    last = ((bt.seq_lens.cpu() - 1) % block_size + 1).to(torch.int32)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), "NHD",
                                                             use_tensor_cores=True)
-    wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), num_heads, num_kv_heads,
-                 head_size, block_size, q_data_type=bt.query.dtype, kv_data_type=bt.query.dtype,
+    lists = page_lists(bt.block_table, bt.seq_lens, block_size, first_blocks)
+    wrapper.plan(*(t.to(dev) for t in lists), num_heads, bt.key_cache.shape[2], head_size,
+                 block_size, q_data_type=bt.query.dtype, kv_data_type=bt.query.dtype,
                  sm_scale=bt.scale)
     paged = bt.kv_cache.dim() == 5 and bt.kv_cache.shape[1] == 2
     kv = _pool(bt) if paged else (bt.key_cache.contiguous(), bt.value_cache.contiguous())
+    return wrapper, kv
+
+
+def batch_decode(bt, block_size: int):
+    wrapper, kv = _decode_wrapper(bt, block_size)
     out = torch.empty_like(bt.query)
     return lambda: wrapper.run(bt.query, kv, out=out)
+
+
+def ours_with_fi_tails(bt, plan, block_size: int):
+    """Our op over the plan's shared nodes alone (every row's seq_len cut to the tokens its nodes
+    cover: no private tail), FlashInfer batch decode over the private tails with their LSE, and
+    FlashInfer's merge_state of the two: what handing the tails to the engine's own decode
+    kernel would cost. FlashInfer's LSE is base 2 and ours natural: ours is scaled first."""
+    import flashinfer
+
+    from ..ops import TppLaunch, TppWorkspace
+    num_seqs, num_heads, head_size = bt.query.shape
+    dev = bt.query.device
+    shared_blocks = plan.seq_num_shared_blocks.cpu()
+    shared_lens = (shared_blocks * block_size).to(torch.int32).to(dev)
+    launch = TppLaunch(plan.to(dev), bt.block_table, shared_lens, num_heads, head_size, dev,
+                       TppWorkspace(), kernel="native")
+    wrapper, kv = _decode_wrapper(bt, block_size, first_blocks=shared_blocks)
+    out_shared = torch.empty_like(bt.query)
+    lse_shared = torch.empty(num_seqs, num_heads, dtype=torch.float32, device=dev)
+
+    def run():
+        launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out_shared, lse_shared)
+        out_tail, lse_tail = wrapper.run(bt.query, kv, return_lse=True)
+        return flashinfer.merge_state(out_shared, lse_shared * LOG2E, out_tail, lse_tail)[0]
+    return run
 
 
 def multi_level_cascade(bt, levels: CascadeLevels, block_size: int):

@@ -3,10 +3,13 @@ TPP op on tree-shaped decode batches (kernel_trees.py) against, in the same run 
 KV bytes:
   empty_plan   our op with no plan: paged decode without prefix awareness;
   fi_decode    FlashInfer BatchDecodeWithPagedKVCacheWrapper (no sharing);
+  fi_tails     ours over the shared nodes only, FlashInfer batch decode over the private tails,
+               FlashInfer's merge_state: whether the tails are better left to the engine's
+               decode kernel (flashinfer_baselines.ours_with_fi_tails);
   fi_cascade   FlashInfer MultiLevelCascadeAttentionWrapper, levels from the tree
                (cascade_levels.py);
   sdpa         torch SDPA per sequence (gather, one call per row), for up to SDPA_MAX_ROWS rows.
-Ours and both FlashInfer wrappers are timed twice: as called, and as a CUDA-graph replay of the
+Ours and the FlashInfer contenders are timed twice: as called, and as a CUDA-graph replay of the
 same call after its plan ("_graph"), which is how vLLM runs a decode step. "ours_vllm_graph"
 is ours as vLLM's FULL decode graphs replay it: the plan padded to the batch size's capacity
 (plan_capacity.py, pruned where the tree exceeds it) in buffers that never move, and a workspace
@@ -46,7 +49,8 @@ from ..plan_cache import PlanCache
 from ..plan_capacity import PlanCapacity
 from . import provenance
 from .cascade_levels import cascade_levels
-from .flashinfer_baselines import batch_decode, flashinfer_version, multi_level_cascade
+from .flashinfer_baselines import (batch_decode, flashinfer_version, multi_level_cascade,
+                                   ours_with_fi_tails)
 from .kernel import KvPool, error_reason, ours, sdpa_per_sequence
 from .kernel_gpu_report import write_report
 from .kernel_trees import ALL_GPU, GRIDS, describe, pool_blocks, tree_block_table
@@ -57,9 +61,10 @@ from .timing import Timer, Variant, op_env
 
 SDPA_MAX_ROWS = 32        # one SDPA call per row: past this it only adds minutes
 CONTENDERS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan", "fi_decode",
-              "fi_decode_graph", "fi_cascade", "fi_cascade_graph", "sdpa")
-BASELINES = ("empty_plan", "fi_decode", "fi_decode_graph", "fi_cascade", "fi_cascade_graph",
-             "sdpa")
+              "fi_decode_graph", "fi_tails", "fi_tails_graph", "fi_cascade", "fi_cascade_graph",
+              "sdpa")
+BASELINES = ("empty_plan", "fi_decode", "fi_decode_graph", "fi_tails", "fi_tails_graph",
+             "fi_cascade", "fi_cascade_graph", "sdpa")
 OURS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan")   # a mismatch fails the run
 # Points where ours is also timed with its chunk-first KV splits forced (the host code's wave
 # rule, csrc/cuda/tpp_host.h, against its neighbours), in a workspace with room for 16.
@@ -158,6 +163,7 @@ def make_contenders(bt, plan, levels, block_size: int, device, fi_why: str,
         missing["ours_graph"] = missing["ours_vllm_graph"] = "CUDA only"
     fns["empty_plan"] = ours(bt, empty_plan(bt.query.shape[0]))
     for name, make in (("fi_decode", lambda: batch_decode(bt, block_size)),
+                       ("fi_tails", lambda: ours_with_fi_tails(bt, plan, block_size)),
                        ("fi_cascade", lambda: multi_level_cascade(bt, levels, block_size))):
         key = (name, bt.query.dtype)
         if fi_why or key in fi_broken:

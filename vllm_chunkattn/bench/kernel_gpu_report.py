@@ -27,9 +27,11 @@ TABLE = [("point", "point"), ("rows", "rows"), ("levels", "cascade levels"),
          ("ours_serial_us", "ours, final not overlapped µs"), ("ours_graph_us", "ours graph µs"), ("ours_vllm_graph_us", "ours vLLM graph µs"),
          ("x_vllm_graph_vs_eager", "eager / vLLM graph"), ("empty_plan_us", "empty plan µs"),
          ("fi_decode_us", "FI decode µs"), ("fi_decode_graph_us", "FI decode graph µs"),
+         ("fi_tails_us", "ours + FI tails µs"), ("fi_tails_graph_us", "ours + FI tails graph µs"),
          ("fi_cascade_us", "FI cascade µs"), ("fi_cascade_graph_us", "FI cascade graph µs"),
          ("sdpa_us", "SDPA µs"), ("x_empty_plan", "x empty plan"),
          ("x_fi_decode", "x FI decode"), ("x_fi_decode_graph", "x FI decode (graphs)"),
+         ("x_fi_tails", "x ours + FI tails"), ("x_fi_tails_graph", "x ours + FI tails (graphs)"),
          ("x_fi_cascade", "x FI cascade"), ("x_fi_cascade_graph", "x FI cascade (graphs)"),
          ("x_sdpa", "x SDPA"),
          ("pct_roofline", "% roofline"), ("cf_rows", "cf rows/kv head"), ("cf_us", "cf µs"),
@@ -109,6 +111,25 @@ def split_sweep_lines(rows: list[dict]) -> list[str]:
               f"splits: µs {r['split_sweep_us']}" for r in swept], ""]
 
 
+def tails_lines(rows: list[dict]) -> list[str]:
+    """ours / (ours + FI tails): whether the private tails are better left to FlashInfer."""
+    pairs = sorted((r["ours_us"] / r["fi_tails_us"], f"{r['grid']} {r['point']}") for r in rows
+                   if len(_finite([r.get("fi_tails_us", math.nan), r["ours_us"]])) == 2
+                   and r["fi_tails_us"] > 0)
+    if not pairs:
+        return []
+    better = [p for p in pairs if p[0] > 1]
+    return ["## The private tails left to FlashInfer", "",
+            "`ours + FI tails`: our op over the shared nodes only, FlashInfer batch decode over "
+            "each row's private tail (with its LSE), FlashInfer's merge_state; what the backend "
+            "would do if it handed the tails to the engine's own decode kernel. Ours / that, "
+            f"eager, over {len(pairs)} points: median {statistics.median(p for p, _ in pairs):.2f}, "
+            f"lowest {pairs[0][0]:.2f} ({pairs[0][1]}), highest {pairs[-1][0]:.2f} "
+            f"({pairs[-1][1]}); above 1 (the tails faster left to FlashInfer) at {len(better)} "
+            "points" + (": " + ", ".join(f"{n} {p:.2f}" for p, n in better[-8:]) if better
+                        else "") + ".", ""]
+
+
 def overlap_lines(rows: list[dict], overlap_knob: str = "") -> list[str]:
     """ours_serial / ours: what overlapping the final launch with the partial one gives.
     overlap_knob: CHUNKATTN_OVERLAP_FINAL as the run found it ("0": both columns are serial)."""
@@ -151,7 +172,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"TFLOP/s fp16.", "",
              *disagreement_lines(rows),
              "## Goals (issue #9)", "", *goal_lines(rows), "", *split_sweep_lines(rows),
-             *overlap_lines(rows, meta.get("overlap_final", "")),
+             *overlap_lines(rows, meta.get("overlap_final", "")), *tails_lines(rows),
              "## Method", "",
              f"One layer, one decode step. Times are µs, the median of up to {meta['reps']} "
              "repeats after a warm-up, each timed with CUDA events after a 256 MB write that "
@@ -212,6 +233,7 @@ def plot(rows: list[dict], meta: dict, path: Path) -> bool:
               ("ours_vllm_graph_us", "ours vLLM graph", "o--"),
               ("empty_plan_us", "empty plan", "s-"), ("fi_decode_us", "FI decode", "^-"),
               ("fi_decode_graph_us", "FI decode graph", "^:"),
+              ("fi_tails_us", "ours + FI tails", "d-"),
               ("fi_cascade_us", "FI cascade", "v-"),
               ("fi_cascade_graph_us", "FI cascade graph", "v:"), ("sdpa_us", "SDPA", "x-"),
               ("roofline_us", "HBM roofline", "k--")]
