@@ -130,7 +130,7 @@ class SortedRows:
 
     def depths(self) -> np.ndarray:
         """Per row, in row order: the most leading full blocks it has in common with another row
-        (its plan's seq_num_shared_blocks unless the plan was pruned to a capacity)."""
+        (with min_sharers 2: its plan's seq_num_shared_blocks, unless pruned to a capacity)."""
         edges = np.concatenate([[0], self.lcp, [0]])
         depth = np.empty(self.order.shape[0], np.int64)
         depth[self.order] = np.maximum(edges[:-1], edges[1:])
