@@ -70,7 +70,7 @@ def test_tree_specs(ops, spec, dtype):
     check(b, plan, *run(ops, b, plan))
 
 
-@pytest.mark.parametrize("spec", ["system_prompts", "deep_tree"])
+@pytest.mark.parametrize("spec", ["system_prompts", "deep_tree", "no_sharing"])
 def test_shared_nodes_alone(ops, spec):
     # bench's ours_with_fi_tails (test_cuda_simt_emulation's twin): every row cut to the tokens
     # its shared nodes cover; rows with nodes have no tail, rows without any have seq_len 0.
