@@ -70,10 +70,10 @@ def decode_run(table: np.ndarray, seq_lens: np.ndarray, block_size: int, steps: 
         t = time.perf_counter()
         plan = cache.get(table, lens)
         total += time.perf_counter() - t
-        fills = lens % block_size == 0              # the new token starts a block
+        # Rows whose full blocks just grew by one; their next token starts a block.
+        fills = lens % block_size == 0
         # (that key kept the empty plan on the row count alone, as PlanKey does)
-        count_key_builds += step == 0 or (plan.num_nodes > 0
-                                          and bool((lens % block_size == 1).any()))
+        count_key_builds += step == 0 or (plan.num_nodes > 0 and bool(fills.any()))
         for r in np.flatnonzero(fills):
             table[r, lens[r] // block_size] = next_id
             next_id += 1
