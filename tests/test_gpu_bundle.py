@@ -303,3 +303,33 @@ def test_every_part_call_fits_what_a_device_call_carries():
     assert call < bundle.CALL_BYTES, (
         f"the tree ({tree / 2**20:.2f} MiB) + the largest part come to {call / 2**20:.2f} MiB: "
         f"keep big files out of the checkout or git-ignore them")
+
+
+def test_env_keeps_the_v2_samplers_choice_off_flashinfer(tmp_path):
+    """FlashInfer does not travel (the manifest), and vLLM 0.32's V2 model runner imports its
+    FlashInfer attention backend to choose a sampler on CUDA: the first GPU serve died there
+    (H100, 2026-11-26). Under `install_bundle.sh env` that choice is made without FlashInfer;
+    without the export it imports the missing module, as on the device."""
+    pytest.importorskip("vllm")
+    manifest = _manifest(GPU / "bundle_manifest.txt")
+    shipped = [" ".join(row).lower() for kind in ("wheel", "reserve") for row in manifest[kind]]
+    assert any("vllm-0.32.0" in row for row in shipped)
+    assert not any("flashinfer" in row for row in shipped)
+    probe = ("import vllm.v1.sample.ops.topk_topp_sampler as s\n"
+             "s.current_platform.is_cuda = lambda: True          # the device's platform\n"
+             "print('sampler', s.flashinfer_sampler_supported())\n")
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    env_lines = _installer({"VLLM_SITE": str(tmp_path / "site")}, "env").stdout
+    scrubbed = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
+
+    def run(exports: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'{exports}\nexport PYTHONPATH="{REPO}"\n'
+                               f'"{sys.executable}" "{script}"'],
+                              capture_output=True, text=True, env=scrubbed, timeout=300)
+
+    with_env = run("\n".join(ln for ln in env_lines.splitlines() if "PYTHONPATH" not in ln))
+    assert with_env.returncode == 0, with_env.stderr[-2000:]
+    assert "sampler False" in with_env.stdout
+    without = run("")
+    assert without.returncode != 0 and "No module named 'flashinfer'" in without.stderr

@@ -220,6 +220,10 @@ export PYTHONPATH=$SITE:$REPO\${PYTHONPATH:+:\$PYTHONPATH}
 export PATH=$SITE/bin:\$PATH
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1   # cuDNN 9.19 (image) under torch built on 9.20
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# FlashInfer is not in the bundle, and vLLM 0.32's V2 model runner imports its FlashInfer
+# attention backend to choose a sampler unless this is 0 (H100, 2026-11-26: the engine died on
+# "No module named 'flashinfer'"); stock and CUSTOM then sample with the same PyTorch sampler.
+export VLLM_USE_FLASHINFER_SAMPLER=0
 export CHUNKATTN_BUILD_DIR=\${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=\${MAX_JOBS:-16}
 EOF
   if [ -f "$COMPAT" ]; then echo "export LD_PRELOAD=$COMPAT\${LD_PRELOAD:+:\$LD_PRELOAD}"; fi

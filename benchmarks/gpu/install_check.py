@@ -86,6 +86,14 @@ if cuda:
               "flash-attn version", get_flash_attn_version(head_size=128))
     except Exception as e:  # noqa: BLE001
         print("flash-attn version: unknown -", repr(e))
+    try:                    # the V2 runner's sampler choice must not import FlashInfer (absent)
+        from vllm.v1.sample.ops.topk_topp_sampler import flashinfer_sampler_supported
+        print("FlashInfer sampler:", "on" if flashinfer_sampler_supported() else "off",
+              "| VLLM_USE_FLASHINFER_SAMPLER =", os.environ.get("VLLM_USE_FLASHINFER_SAMPLER"))
+    except Exception as e:  # noqa: BLE001
+        print("FlashInfer sampler check FAILED (the engine would die loading its sampler) -",
+              repr(e)[-400:])
+        ok = False
     # Our CUDA kernel for this torch, built here (~1 min) rather than inside the CUSTOM server's
     # start, whose call has its own budget (serve_ab.sh); the build is cached by torch version.
     import time
