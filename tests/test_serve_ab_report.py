@@ -5,6 +5,7 @@ number below is worked out by hand from the inputs."""
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import tarfile
@@ -53,12 +54,20 @@ def _call(root: Path, system: str, rnd: int) -> Path:
                    "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5], "output_lens": [256 * n] * 2}
             _add(t, f"./{name}.json", json.dumps(res))
             _add(t, f"./{name}.flags", f"--dataset-name {name}")
+            # serve_ab.sh's /metrics counters around the workload: CUSTOM's decode KV reads,
+            # 1000 in this workload, 100 x i of them from shared chunks; stock has none
+            reads, shared = ("chunkattn:decode_kv_tokens_total",
+                             "chunkattn:decode_shared_kv_tokens_total")
+            _add(t, f"./{name}.counters",
+                 f"before {reads}={10_000 * i} {shared}={1000 * i}\n"
+                 f"after {reads}={10_000 * i + 1000} {shared}={1100 * i}\n" if system == "custom"
+                 else "before \nafter \n")
             kv += [f"{i}.0 {name} vllm:kv_cache_usage_perc {usage / 2}",
                    f"{i}.5 {name} vllm:kv_cache_usage_perc {usage}",
                    f"{i}.5 {name} vllm:num_requests_running 32"]
         _add(t, "./kv.tsv", "\n".join(kv) + "\n")
         _add(t, "./gpu.txt", "NVIDIA H100 80GB HBM3, 580.159.04\n")
-        _add(t, "./server_cmd.txt", f"vllm serve /tmp/models/llama-3-8b --dtype bfloat16 ({tag})")
+        _add(t, "./server_cmd.txt", f"vllm serve /tmp/models/llama-3-8b --port 4242 --dtype bfloat16 ({tag})")
     kernel = "TPP decode kernel=native-cuda, chunk size=16 tokens\n" if system == "custom" else ""
     (call / f"server_{tag}.log").write_text(
         f"INFO GPU KV cache size: {CAPACITY:,} tokens\n{kernel}"
@@ -144,3 +153,29 @@ def test_the_device_summary_has_the_reports_rows(tmp_path):
     # random: 1000 tok/s, peak KV 0.50; n8x1k TPOT per sequence: (1.5 + 2.5) / 2 / 255 s
     assert "| random | 2 | 1000.0 | 7.84 |" in md and "| 50.0 | 32 |" in md
     assert f"| n8x1k | 2 | 500.0 | {1e3 * 2.0 / 255:.2f} |" in md
+
+
+def test_share_of_decode_kv_reads_from_shared_chunks_per_workload(report):
+    """Worked from the fixture's counters: (1100 i - 1000 i) / 1000 = 10 i % for the i-th workload;
+    stock's /metrics has no chunkattn counters: no share."""
+    rounds, combined, md = report
+    for i, w in enumerate(("random", "prefix1x2k", "n8x1k", "prefix1x2k_c128", "prefix4x2k")):
+        assert float(combined[("custom", w)]["shared_kv_read_pct"]) == pytest.approx(10 * i)
+        assert combined[("stock", w)]["shared_kv_read_pct"] == ""           # nan, left blank
+    assert "| 1,700 | 1.70× |" in md and md.count("| 30 |") == 1      # prefix1x2k_c128's row
+    assert serve_ab_report.shared_kv_read_pct("before \nafter \n") != serve_ab_report.shared_kv_read_pct("before \nafter \n")   # nan
+    cut = "before chunkattn:decode_kv_tokens_total=5 chunkattn:decode_shared_kv_tokens_total=1\n"
+    assert serve_ab_report.shared_kv_read_pct(cut) != serve_ab_report.shared_kv_read_pct(cut)  # no after
+
+
+def test_committed_calls_with_gzipped_server_logs_give_the_same_report(tmp_path, report):
+    """Results are committed with their server logs gzipped (benchmarks/results/gpu_h100_serve)."""
+    root = tmp_path / "committed"
+    root.mkdir()
+    calls = [_call(root, s, r) for s, r in RUNS]
+    for log in root.glob("call_*/server_*.log"):
+        log.with_name(log.name + ".gz").write_bytes(gzip.compress(log.read_bytes()))
+        log.unlink()
+    out = tmp_path / "gz"
+    assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
+    assert (out / "ab_gpu_test.md").read_text() == report[2]

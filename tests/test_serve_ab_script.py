@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -89,6 +90,14 @@ def test_serve_ab_script_on_cpu(tmp_path):
     assert "kernel=native-cpu" in summary
     assert "async scheduling on" in summary and "Using V2 Model Runner" in summary, summary
     assert (tmp_path / "out" / "results_custom-r7.tar.gz").stat().st_size > 0
+    # CUSTOM's decode KV counters read on /metrics around each workload: its share column
+    with tarfile.open(tmp_path / "out" / "results_custom-r7.tar.gz") as t:
+        counters = t.extractfile("./random.counters").read().decode()
+    before, after = (dict(p.split("=") for p in line.split()[1:]) for line in counters.splitlines())
+    reads = "chunkattn:decode_kv_tokens_total"
+    assert int(after[reads]) > int(before.get(reads, 0)), counters        # it decoded
+    share = rows["random"].split("|")[9].strip()
+    assert share not in ("", "nan") and float(share) < 100, summary
     # The server and its engine core are gone, the earlier call's process too.
     server_log = (tmp_path / "out" / "server_custom-r7.log").read_text()
     engine = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", server_log)}

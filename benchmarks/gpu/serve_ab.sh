@@ -152,6 +152,21 @@ SAMPLER=$!
 # the call ends inside BUDGET_S, and a short budget still runs every workload that fits.
 longest=0
 budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
+counters() {   # CUSTOM's decode KV counters on /metrics (chunkattn:decode_*_total), one line
+  $PY - "$URL/metrics" <<'PY' || true
+import sys, urllib.request
+try:
+    text = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
+except OSError:
+    sys.exit()
+total = {}
+for line in text.splitlines():
+    if line.startswith("chunkattn:decode_"):        # name{labels} value, a line per engine
+        name = line.split("{")[0].split()[0]
+        total[name] = total.get(name, 0.0) + float(line.split()[-1])
+print(" ".join(f"{k}={v:.0f}" for k, v in sorted(total.items())))
+PY
+}
 bench() {   # name, then `vllm bench serve` flags
   local name=$1; shift
   local left start=$SECONDS
@@ -159,11 +174,13 @@ bench() {   # name, then `vllm bench serve` flags
   [ "$left" -ge 10 ] || { echo "$name: skipped (budget: $left s left)"; return; }
   echo "$name" > "$WORK/current"
   echo "$*" > "$WORK/$name.flags"
+  echo "before $(counters)" > "$WORK/$name.counters"   # its share of decode KV reads from shared chunks
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
   timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "$URL" \
     --model "$MODEL" --seed 0 --save-result --save-detailed --result-dir "$WORK" \
     --result-filename "$name.json" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?; echo idle > "$WORK/current"
+  echo "after $(counters)" >> "$WORK/$name.counters"
   [ "$name" = warmup ] || [ $((SECONDS - start)) -le $longest ] || longest=$((SECONDS - start))
   echo "$name: rc=$rc in $((SECONDS - start)) s, $(grep -E 'Output token throughput' \
     "$WORK/$name.log" | tr -s ' ')"

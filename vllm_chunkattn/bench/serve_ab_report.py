@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
+import math
 import re
 import statistics
 import sys
@@ -35,7 +37,7 @@ WORKLOADS = {
 GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
-           "peak_kv_tokens", "peak_running")
+           "peak_kv_tokens", "peak_running", "shared_kv_read_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
@@ -60,6 +62,21 @@ def peaks(kv_tsv: str) -> dict:
     return out
 
 
+def shared_kv_read_pct(counters: str) -> float:
+    """Share of a workload's decode KV reads served by shared chunks, from the chunkattn:decode_*
+    counters serve_ab.sh read on /metrics before and after it; nan without them (stock)."""
+    seen = {}
+    for line in counters.splitlines():
+        when, *pairs = line.split()
+        seen[when] = {k: float(v) for k, v in (p.split("=") for p in pairs)}
+    before, after = seen.get("before", {}), seen.get("after", {})
+    kv, shared = ("chunkattn:decode_kv_tokens_total", "chunkattn:decode_shared_kv_tokens_total")
+    if not all(k in d for k in (kv, shared) for d in (before, after)):
+        return math.nan
+    reads = after[kv] - before[kv]
+    return 100 * (after[shared] - before[shared]) / reads if reads > 0 else math.nan
+
+
 def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
     """One system's rows (a row per workload) from one serve_ab.sh run's work folder."""
     capacity = kv_capacity_tokens(server_log)
@@ -77,8 +94,19 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         row.update(peak_kv_usage_pct=100 * usage, peak_kv_tokens=round(usage * capacity),
                    peak_running=int(kv.get((name, "vllm:num_requests_running"), 0)),
                    status="ok" if not row["failed"] else f"{row['failed']} requests failed")
+        counters = run / f"{name}.counters"
+        row["shared_kv_read_pct"] = shared_kv_read_pct(
+            counters.read_text() if counters.exists() else "")
         rows.append(row)
     return rows
+
+
+def server_log(path: Path) -> str:
+    """A server's log as the device call left it, or gzipped as committed (path + .gz); "" if none."""
+    if path.exists():
+        return path.read_text(errors="replace")
+    gz = path.with_name(path.name + ".gz")
+    return gzip.decompress(gz.read_bytes()).decode(errors="replace") if gz.exists() else ""
 
 
 def read_call(tarball: Path, work: Path) -> list[dict]:
@@ -87,8 +115,7 @@ def read_call(tarball: Path, work: Path) -> list[dict]:
     dest = work / f"{system}-r{rnd}"
     with tarfile.open(tarball) as t:
         t.extractall(dest, filter="data")
-    log_path = tarball.with_name(f"server_{system}-r{rnd}.log")
-    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    log = server_log(tarball.with_name(f"server_{system}-r{rnd}.log"))
     return read_run(dest, system, int(rnd), log)
 
 
@@ -99,10 +126,12 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
     rows = read_run(run, system, int(rnd), server_log.read_text(errors="replace"))
     lines = [f"# {tag}: vllm serve, vllm bench serve (TPOT per sequence)", "",
              "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
-             "| peak KV % | peak running |", "|---|---|---|---|---|---|---|---|"]
+             "| peak KV % | peak running | shared KV reads % |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
               f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
-              f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} |" for r in rows]
+              f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} "
+              f"| {r['shared_kv_read_pct']:.1f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -159,7 +188,9 @@ def main(argv=None) -> int:
         server_cmd = _setup_text(work, "stock-r*/server_cmd.txt")
         gpu = _setup_text(work, "*/gpu.txt")
         flags = {w: _setup_text(work, f"*/{w}.flags") for w in WORKLOADS}
-    logs = "".join(p.read_text(errors="replace") for d in a.calls for p in d.glob("server_custom*.log"))
+    logs = "".join(server_log(t.with_name(t.name.replace("results_", "server_", 1)
+                                          .replace(".tar.gz", ".log")))
+                   for t in tarballs if TAG_RE.search(t.name).group(1) == "custom")
     kernel = re.search(r"kernel=(\S+?),", logs)
     graphs = sorted(set(re.findall(r"Capturing CUDA graphs \(([^)]*)\)", logs)))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -176,7 +207,7 @@ def main(argv=None) -> int:
     if "--load-format dummy" in server_cmd:
         model += " (dummy weights: a config and a tokenizer, e.g. model_shapes.py llama-3-8b)"
     setup = {"model": model,
-             "server_args": server_cmd, "systems": systems, "commit": a.commit,
+             "server_args": re.sub(r" --port \d+", "", server_cmd), "systems": systems, "commit": a.commit,
              "date": "from the device calls", "native": kernel.group(1) if kernel else "?",
              "machine": f"{gpu}; CUSTOM graphs captured: {', '.join(graphs) or 'none seen'}; "
                         f"rounds per system: "
