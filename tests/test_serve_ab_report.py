@@ -51,7 +51,10 @@ def _call(root: Path, system: str, rnd: int) -> Path:
             # per sequence (n sequences' tokens in one request's usage)
             res = {"num_prompts": 2, "completed": 2 - min(failed, 2), "failed": failed,
                    "duration": 3.0, "output_throughput": tok_s,
-                   "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5], "output_lens": [256 * n] * 2}
+                   "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5], "output_lens": [256 * n] * 2,
+                   # stream messages: 1 + gaps; custom's first request in 7 bursts of ~37 tokens
+                   "itls": [[0.3] * (6 if system == "custom" and i == 1 else 255 * n),
+                            [0.01] * (255 * n)]}
             _add(t, f"./{name}.json", json.dumps(res))
             _add(t, f"./{name}.flags", f"--dataset-name {name}")
             # serve_ab.sh's /metrics counters around the workload: CUSTOM's decode KV reads,
@@ -62,7 +65,9 @@ def _call(root: Path, system: str, rnd: int) -> Path:
                  f"before {reads}={10_000 * i} {shared}={1000 * i}\n"
                  f"after {reads}={10_000 * i + 1000} {shared}={1100 * i}\n" if system == "custom"
                  else "before \nafter \n")
-            kv += [f"{i}.0 {name} vllm:kv_cache_usage_perc {usage / 2}",
+            kv += [f"{i}.1 {name} api_server_cpu_pct {40 + 10 * i}",
+                   f"{i}.2 {name} api_server_cpu_pct {60 + 10 * i}",
+                   f"{i}.0 {name} vllm:kv_cache_usage_perc {usage / 2}",
                    f"{i}.5 {name} vllm:kv_cache_usage_perc {usage}",
                    f"{i}.5 {name} vllm:num_requests_running 32"]
         _add(t, "./kv.tsv", "\n".join(kv) + "\n")
@@ -179,3 +184,17 @@ def test_committed_calls_with_gzipped_server_logs_give_the_same_report(tmp_path,
     out = tmp_path / "gz"
     assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
     assert (out / "ab_gpu_test.md").read_text() == report[2]
+
+
+def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
+    """prefix1x2k (i = 1): custom's requests got 7 + 256 messages for 512 tokens, stock's 512;
+    the API server's CPU is the mean of its samples, 50 and 70 -> 60."""
+    rounds, _, md = report
+    got = {(r["system"], r["round"], r["workload"]): r for r in rounds}     # the rounds' CSV
+    assert float(got[("stock", "1", "prefix1x2k")]["tokens_per_message"]) == pytest.approx(1.0)
+    assert float(got[("custom", "1", "prefix1x2k")]["tokens_per_message"]) == pytest.approx(512 / 263)
+    assert float(got[("custom", "1", "prefix1x2k")]["api_server_cpu_pct"]) == pytest.approx(60)
+    assert float(got[("stock", "2", "random")]["api_server_cpu_pct"]) == pytest.approx(50)
+    assert "## Streaming: output tokens per stream message, API server CPU" in md
+    assert "| prefix1x2k | 1.0 | 1.9 | 60.0 | 60.0 |" in md
+    assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved

@@ -98,6 +98,9 @@ def test_serve_ab_script_on_cpu(tmp_path):
     assert int(after[reads]) > int(before.get(reads, 0)), counters        # it decoded
     share = rows["random"].split("|")[9].strip()
     assert share not in ("", "nan") and float(share) < 100, summary
+    # every token streamed in its own message here; the API server process's CPU was sampled
+    assert float(rows["random"].split("|")[10]) == pytest.approx(1.0), summary
+    assert 0 < float(rows["random"].split("|")[11]) < 100 * os.cpu_count(), summary
     # The server and its engine core are gone, the earlier call's process too.
     server_log = (tmp_path / "out" / "server_custom-r7.log").read_text()
     engine = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", server_log)}

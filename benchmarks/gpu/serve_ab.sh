@@ -127,10 +127,14 @@ echo "server up in $((SECONDS - t0)) s"
 grep -m3 -iE "chunkattn|attention backend" "$OUT/server_$TAG.log"
 
 echo idle > "$WORK/current"
-$PY - "$URL/metrics" "$WORK" <<'PY' &
-# KV usage and running requests every 0.25 s, tagged with the workload in flight.
+$PY - "$URL/metrics" "$WORK" "$SERVER" <<'PY' &
+# KV usage and running requests every 0.25 s, tagged with the workload in flight, and the API
+# server process's CPU use (a saturated API server streams tokens in bursts: H100, 2026-11-26).
 import sys, time, urllib.request
-url, work = sys.argv[1:3]
+import psutil
+url, work, pid = sys.argv[1:4]
+api = psutil.Process(int(pid))
+api.cpu_percent(None)                    # starts the interval the next call measures
 with open(f"{work}/kv.tsv", "a") as out:
     while True:
         try:
@@ -140,8 +144,11 @@ with open(f"{work}/kv.tsv", "a") as out:
             for line in text.splitlines() if w else []:
                 if line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_running")):
                     out.write(f"{time.time():.2f} {w} {line.split('{')[0]} {line.split()[-1]}\n")
+            cpu = api.cpu_percent(None)
+            if w:
+                out.write(f"{time.time():.2f} {w} api_server_cpu_pct {cpu:.1f}\n")
             out.flush()
-        except OSError:
+        except (OSError, psutil.Error):
             pass
         time.sleep(0.25)
 PY

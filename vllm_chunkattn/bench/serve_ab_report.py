@@ -37,7 +37,8 @@ WORKLOADS = {
 GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
-           "peak_kv_tokens", "peak_running", "shared_kv_read_pct")
+           "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
+           "api_server_cpu_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
@@ -48,8 +49,8 @@ def kv_capacity_tokens(server_log: str) -> int:
     return int(m.group(1).replace(",", "")) if m else 0
 
 
-def peaks(kv_tsv: str) -> dict:
-    """(workload, metric) -> the largest sample (serve_ab.sh's kv.tsv: time workload metric value).
+def samples(kv_tsv: str) -> dict[tuple[str, str], list[float]]:
+    """(workload, metric) -> its samples (serve_ab.sh's kv.tsv: time workload metric value).
     A line of another shape is a sample cut short where the sampler was stopped: left out."""
     out: dict = {}
     for line in kv_tsv.splitlines():
@@ -57,9 +58,22 @@ def peaks(kv_tsv: str) -> dict:
         if len(fields) != 4:
             continue
         _, workload, metric, value = fields
-        key = (workload, metric)
-        out[key] = max(out.get(key, 0.0), float(value))
+        out.setdefault((workload, metric), []).append(float(value))
     return out
+
+
+def peaks(kv_tsv: str) -> dict:
+    """(workload, metric) -> the largest sample."""
+    return {k: max(v) for k, v in samples(kv_tsv).items()}
+
+
+def tokens_per_message(res: dict) -> float:
+    """Output tokens per streamed message (`vllm bench serve --save-detailed`: a request's
+    messages are its first token + one per inter-token gap): ~1 when every step's token is
+    sent as it comes, more when the server sends them in bursts."""
+    itls = res.get("itls") or []
+    messages = sum(len(gaps) + 1 for gaps in itls)
+    return sum(res.get("output_lens") or []) / messages if messages else math.nan
 
 
 def shared_kv_read_pct(counters: str) -> float:
@@ -80,7 +94,8 @@ def shared_kv_read_pct(counters: str) -> float:
 def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
     """One system's rows (a row per workload) from one serve_ab.sh run's work folder."""
     capacity = kv_capacity_tokens(server_log)
-    kv = peaks((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
+    sampled = samples((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
+    kv = {k: max(v) for k, v in sampled.items()}
     rows = []
     for name, shape in WORKLOADS.items():
         result = run / f"{name}.json"
@@ -94,6 +109,9 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         row.update(peak_kv_usage_pct=100 * usage, peak_kv_tokens=round(usage * capacity),
                    peak_running=int(kv.get((name, "vllm:num_requests_running"), 0)),
                    status="ok" if not row["failed"] else f"{row['failed']} requests failed")
+        cpu = sampled.get((name, "api_server_cpu_pct"))
+        row.update(tokens_per_message=tokens_per_message(res),
+                   api_server_cpu_pct=statistics.mean(cpu) if cpu else math.nan)
         counters = run / f"{name}.counters"
         row["shared_kv_read_pct"] = shared_kv_read_pct(
             counters.read_text() if counters.exists() else "")
@@ -126,12 +144,13 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
     rows = read_run(run, system, int(rnd), server_log.read_text(errors="replace"))
     lines = [f"# {tag}: vllm serve, vllm bench serve (TPOT per sequence)", "",
              "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
-             "| peak KV % | peak running | shared KV reads % |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| peak KV % | peak running | shared KV reads % | tokens / message | API server CPU % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
               f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
               f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} "
-              f"| {r['shared_kv_read_pct']:.1f} |" for r in rows]
+              f"| {r['shared_kv_read_pct']:.1f} | {r['tokens_per_message']:.1f} "
+              f"| {r['api_server_cpu_pct']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -155,6 +174,27 @@ def combine(rounds: list[dict]) -> list[dict]:
         row["rounds"] = len(ok)
         out.append(row)
     return out
+
+
+def streaming_section(rows: list[dict], systems: list[str]) -> str:
+    """How the tokens reached the client: a server that falls behind merges a request's tokens
+    into fewer, larger messages, and ITL then measures the API server, not the engine."""
+    idx = {(r["system"], r["workload"]): r for r in rows}
+    fmt = lambda v: "–" if v is None or math.isnan(v) else f"{v:.1f}"
+    head = ["workload", *(f"{s} tokens / message" for s in systems),
+            *(f"{s} API server CPU % (mean)" for s in systems)]
+    lines = ["", "## Streaming: output tokens per stream message, API server CPU", "",
+             "Tokens per message = a workload's output tokens / the stream messages its requests "
+             "got (first token + one per inter-token gap in `--save-detailed`); API server CPU = "
+             "the `vllm serve` process's CPU use sampled every 0.25 s while the workload ran "
+             "(100 = one core).", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        get = lambda s, k: idx[(s, w)].get(k) if (s, w) in idx else None
+        lines.append("| " + " | ".join([w, *(fmt(get(s, "tokens_per_message")) for s in systems),
+                                         *(fmt(get(s, "api_server_cpu_pct")) for s in systems)])
+                     + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _setup_text(work: Path, pattern: str) -> str:
@@ -222,6 +262,8 @@ def main(argv=None) -> int:
              "workloads": [(w, prompts.get(w, ""), float("inf"), flags[w]) for w in WORKLOADS
                            if flags[w] != "?"]}
     paths = ab_report.write(rows, setup, a.out, a.tag)
+    with open(a.out / f"ab_{a.tag}.md", "a") as f:
+        f.write(streaming_section(rows, systems))
     print("serve_ab_report:", ", ".join(str(p) for p in [a.out / f"ab_{a.tag}_rounds.csv", *paths]))
     return 0
 
