@@ -3,7 +3,7 @@
 # stock or with --attention-backend CUSTOM on the Llama-3-8B shape (dummy bf16 weights), then
 # `vllm bench serve` over the issue's workloads, KV usage sampled from /metrics meanwhile.
 #   bash benchmarks/gpu/serve_ab.sh stock|custom [WORKLOAD ...]   # default: all, in this order:
-#     random prefix1x2k prefix1x2k_c128 prefix4x2k n8x1k tree
+#     random prefix1x2k prefix1x2k_c128 prefix1x2k_c256 prefix4x2k n8x1k tree
 # Needs `install_bundle.sh install` done on this warm machine. $OUT gets summary_<tag>.md,
 # server_<tag>.log and results_<tag>.tar.gz (bench JSONs, bench logs, KV samples); tag =
 # <system>-r<ROUND> (ROUND=1 by default; ABBA: stock r1, custom r1, custom r2, stock r2).
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 SYSTEM=${1:?stock or custom}; shift
 [ "$SYSTEM" = stock ] || [ "$SYSTEM" = custom ] || { echo "system: stock or custom" >&2; exit 2; }
-WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k prefix1x2k_c128 prefix4x2k n8x1k tree)
+WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k prefix1x2k_c128 prefix1x2k_c256 prefix4x2k n8x1k tree)
 TAG=$SYSTEM-r${ROUND:-1}
 OUT=${OUT:-/tmp/serve_ab_out}; mkdir -p "$OUT"
 WORK=/tmp/serve_ab/$TAG; rm -rf "$WORK"; mkdir -p "$WORK"
@@ -43,7 +43,8 @@ write_tree_jsonl(tree(1024, 4, 512, 16), Path('$TREE'), words)"
 # (--ignore-eos: dummy weights would otherwise stop at random); the tree's outputs are 128-512.
 # prefix1x2k_c128: the same prompts, 4x as many, 128 at a time. At 32 the 8B shape's decode step
 # reads 15 GB of weights beside ~10 GB of KV, so even free attention gives at most ~1.5x there
-# (README.md, "Where the serving goal can show"); at 128, ~2.7x.
+# (README.md, "Where the serving goal can show"); at 128 the H100 measured 1.24x, the rest of
+# the step being ~9-10 ms for both; prefix1x2k_c256: 8x the prompts, 256 at a time.
 # JSON without spaces: the flags are word-split.
 COMMON=(--num-prompts "$N" --max-concurrency 32 --ignore-eos)
 prefix_repetition() {   # number of 2048-token prefixes, then the load's flags
@@ -59,6 +60,8 @@ workload() {
     prefix1x2k) prefix_repetition 1 "${COMMON[@]}" ;;
     prefix1x2k_c128)
                 prefix_repetition 1 --num-prompts $((4 * N)) --max-concurrency 128 --ignore-eos ;;
+    prefix1x2k_c256)
+                prefix_repetition 1 --num-prompts $((8 * N)) --max-concurrency 256 --ignore-eos ;;
     prefix4x2k) prefix_repetition 4 "${COMMON[@]}" ;;
     n8x1k)      echo --dataset-name random --random-input-len 1024 --random-output-len "$OUT_LEN" \
                      --random-range-ratio 0 --num-prompts $((N / 4)) --max-concurrency 4 \

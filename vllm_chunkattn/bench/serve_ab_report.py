@@ -28,6 +28,7 @@ WORKLOADS = {
     "random": dict(group="shared", shared_len=0, num_prefixes=0, n=1),
     "prefix1x2k": dict(group="shared", shared_len=2048, num_prefixes=1, n=1),
     "prefix1x2k_c128": dict(group="shared", shared_len=2048, num_prefixes=1, n=1),
+    "prefix1x2k_c256": dict(group="shared", shared_len=2048, num_prefixes=1, n=1),
     "prefix4x2k": dict(group="shared", shared_len=2048, num_prefixes=4, n=1),
     "n8x1k": dict(group="samples", shared_len=1024, num_prefixes=16, n=8),
     "tree": dict(group="tree", shared_len=1024, num_prefixes=1, n=1),
@@ -255,8 +256,8 @@ def main(argv=None) -> int:
                                     for s in systems),
              "budget_min": 0, "slo_ms": float("inf"), "goals": GPU_GOALS, "sample_s": 0.25,
              "client": "`vllm bench serve` from benchmarks/gpu/serve_ab.sh (`--ignore-eos "
-                       "--seed 0 --save-detailed`, 32 concurrent; prefix1x2k_c128: 128 "
-                       "concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); one server per "
+                       "--seed 0 --save-detailed`, 32 concurrent; prefix1x2k_c128 / _c256: "
+                       "128 / 256 concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); one server per "
                        "system and round runs the workloads in turn, no prefix-cache reset between "
                        "them (their prompts share nothing)",
              "workloads": [(w, prompts.get(w, ""), float("inf"), flags[w]) for w in WORKLOADS
