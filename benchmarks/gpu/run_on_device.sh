@@ -257,6 +257,11 @@ if (( build_rc == 0 )); then
     # attention vs FlashInfer decode plus the measured linear layers: tpot_cuda.{md,csv,png}.
     stage tpot 150 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench tpot --device cuda \
       --out "$WORK/bench"
+    # The same at serve_ab.sh's rows (2208 prompt tokens, 2048 of them shared or none, + 128
+    # generated on average): the prediction set beside a served A/B on the same GPU.
+    stage tpot-serve 60 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench tpot --device cuda \
+      --shapes llama-3-8b --batch 32,128,256 --shared 0,2048 --prompt 2208 --private 128 \
+      --tag serve --out "$WORK/bench"
     for dtype in bfloat16 float16; do
       stage "microbench-$dtype" 60 "$WORK/bench.log" "$PY" benchmarks/gpu/tpp_microbench.py \
         --dtype "$dtype" --out "$WORK/microbench_$dtype.json"
