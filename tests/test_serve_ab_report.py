@@ -121,7 +121,7 @@ def test_kv_peaks_leave_out_samples_cut_short():
            "1.50 random vllm:kv_cache_usage_perc 0.40\n"
            "1.75 random vllm:num_requests_running 7\n"
            "2.00 random vllm:kv_cache")
-    assert serve_ab_report.peaks(tsv) == {("random", "vllm:kv_cache_usage_perc"): 0.40,
+    assert serve_ab_report.peaks(serve_ab_report.samples(tsv)) == {("random", "vllm:kv_cache_usage_perc"): 0.40,
                                           ("random", "vllm:num_requests_running"): 7.0}
 
 

@@ -163,6 +163,8 @@ SAMPLER=$!
 longest=0
 budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
 counters() {   # CUSTOM's decode KV counters on /metrics (chunkattn:decode_*_total), one line
+  # (bench/server_client.scrape's sum over label sets, inline: importing vllm_chunkattn loads
+  # torch, ~2 s a call, twice a workload, in device time)
   $PY - "$URL/metrics" <<'PY' || true
 import sys, urllib.request
 try:

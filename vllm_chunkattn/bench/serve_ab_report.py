@@ -63,9 +63,9 @@ def samples(kv_tsv: str) -> dict[tuple[str, str], list[float]]:
     return out
 
 
-def peaks(kv_tsv: str) -> dict:
-    """(workload, metric) -> the largest sample."""
-    return {k: max(v) for k, v in samples(kv_tsv).items()}
+def peaks(sampled: dict[tuple[str, str], list[float]]) -> dict:
+    """(workload, metric) -> the largest of its samples."""
+    return {k: max(v) for k, v in sampled.items()}
 
 
 def tokens_per_message(res: dict) -> float:
@@ -96,7 +96,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
     """One system's rows (a row per workload) from one serve_ab.sh run's work folder."""
     capacity = kv_capacity_tokens(server_log)
     sampled = samples((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
-    kv = {k: max(v) for k, v in sampled.items()}
+    kv = peaks(sampled)
     rows = []
     for name, shape in WORKLOADS.items():
         result = run / f"{name}.json"
@@ -128,14 +128,19 @@ def server_log(path: Path) -> str:
     return gzip.decompress(gz.read_bytes()).decode(errors="replace") if gz.exists() else ""
 
 
+def call_log(tarball: Path) -> str:
+    """The server log beside a call's results_<system>-r<round>.tar.gz."""
+    system, rnd = TAG_RE.search(tarball.name).groups()
+    return server_log(tarball.with_name(f"server_{system}-r{rnd}.log"))
+
+
 def read_call(tarball: Path, work: Path) -> list[dict]:
     """read_run over one serve_ab.sh call's returned files (results tarball + server log)."""
     system, rnd = TAG_RE.search(tarball.name).groups()
     dest = work / f"{system}-r{rnd}"
     with tarfile.open(tarball) as t:
         t.extractall(dest, filter="data")
-    log = server_log(tarball.with_name(f"server_{system}-r{rnd}.log"))
-    return read_run(dest, system, int(rnd), log)
+    return read_run(dest, system, int(rnd), call_log(tarball))
 
 
 def summary(run: Path, server_log: Path, tag: str) -> str:
@@ -181,21 +186,17 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
     """How the tokens reached the client: a server that falls behind merges a request's tokens
     into fewer, larger messages, and ITL then measures the API server, not the engine."""
     idx = {(r["system"], r["workload"]): r for r in rows}
-    fmt = lambda v: "–" if v is None or math.isnan(v) else f"{v:.1f}"
+    keys = ("tokens_per_message", "api_server_cpu_pct")
     head = ["workload", *(f"{s} tokens / message" for s in systems),
             *(f"{s} API server CPU % (mean)" for s in systems)]
-    lines = ["", "## Streaming: output tokens per stream message, API server CPU", "",
-             "Tokens per message = a workload's output tokens / the stream messages its requests "
-             "got (first token + one per inter-token gap in `--save-detailed`); API server CPU = "
-             "the `vllm serve` process's CPU use sampled every 0.25 s while the workload ran "
-             "(100 = one core).", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        get = lambda s, k: idx[(s, w)].get(k) if (s, w) in idx else None
-        lines.append("| " + " | ".join([w, *(fmt(get(s, "tokens_per_message")) for s in systems),
-                                         *(fmt(get(s, "api_server_cpu_pct")) for s in systems)])
-                     + " |")
-    return "\n".join(lines) + "\n"
+    body = [[w, *(ab_report._f(idx.get((s, w), {}).get(k)) for k in keys for s in systems)]
+            for w in dict.fromkeys(r["workload"] for r in rows)]
+    return "\n".join(["", "## Streaming: output tokens per stream message, API server CPU", "",
+                      "Tokens per message = a workload's output tokens / the stream messages its "
+                      "requests got (first token + one per inter-token gap in `--save-detailed`); "
+                      "API server CPU = the `vllm serve` process's CPU use sampled every 0.25 s "
+                      "while the workload ran (100 = one core).", "",
+                      ab_report._table(head, body)]) + "\n"
 
 
 def _setup_text(work: Path, pattern: str) -> str:
@@ -229,9 +230,7 @@ def main(argv=None) -> int:
         server_cmd = _setup_text(work, "stock-r*/server_cmd.txt")
         gpu = _setup_text(work, "*/gpu.txt")
         flags = {w: _setup_text(work, f"*/{w}.flags") for w in WORKLOADS}
-    logs = "".join(server_log(t.with_name(t.name.replace("results_", "server_", 1)
-                                          .replace(".tar.gz", ".log")))
-                   for t in tarballs if TAG_RE.search(t.name).group(1) == "custom")
+    logs = "".join(call_log(t) for t in tarballs if TAG_RE.search(t.name).group(1) == "custom")
     kernel = re.search(r"kernel=(\S+?),", logs)
     graphs = sorted(set(re.findall(r"Capturing CUDA graphs \(([^)]*)\)", logs)))
     a.out.mkdir(parents=True, exist_ok=True)
