@@ -109,3 +109,18 @@ def test_serve_ab_script_on_cpu(tmp_path):
     assert _with_model(psutil.process_iter()) == [], log
     assert not [pid for pid in engine if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
+
+
+def test_a_budget_too_short_for_a_server_start_starts_nothing(tmp_path):
+    # Stock's round 2 on the H100: BUDGET_S=200, its server up after 144 s, no workload run.
+    env = {**os.environ, "BUDGET_S": "200", "OUT": str(tmp_path / "out"), "VLLM": "false"}
+    env.pop("MIN_BUDGET_S", None)
+    r = subprocess.run(["bash", str(SCRIPT), "stock", "random"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "BUDGET_S=200 is under MIN_BUDGET_S=240" in r.stderr and "stock not started" in r.stderr
+    assert not (tmp_path / "out").exists()                         # before anything else ran
+    env["MIN_BUDGET_S"] = "200"                                     # the floor is a knob
+    r = subprocess.run(["bash", str(SCRIPT), "bogus"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "stock or custom" in r.stderr

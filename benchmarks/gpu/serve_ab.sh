@@ -12,14 +12,20 @@ cd "$(dirname "$0")/../.." || exit 1
 SYSTEM=${1:?stock or custom}; shift
 [ "$SYSTEM" = stock ] || [ "$SYSTEM" = custom ] || { echo "system: stock or custom" >&2; exit 2; }
 WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k prefix1x2k_c128 prefix1x2k_c256 prefix4x2k n8x1k tree)
+BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
+STOP_S=45                                    # kept for stopping the server (<= 30 s) and the report
+# A server takes 95-145 s to start on an H100 (2026-11-26), a workload 30-60 s: under MIN_BUDGET_S
+# no workload would run (stock's round 2 spent 158 device seconds so), so none is started.
+MIN_BUDGET_S=${MIN_BUDGET_S:-240}
+[ "$BUDGET_S" -ge "$MIN_BUDGET_S" ] || {
+  echo "BUDGET_S=$BUDGET_S is under MIN_BUDGET_S=$MIN_BUDGET_S (server start ~150 s + a workload + stop):" \
+       "$SYSTEM not started" >&2; exit 3; }
 TAG=$SYSTEM-r${ROUND:-1}
 OUT=${OUT:-/tmp/serve_ab_out}; mkdir -p "$OUT"
 WORK=/tmp/serve_ab/$TAG; rm -rf "$WORK"; mkdir -p "$WORK"
 MODEL=${MODEL:-/tmp/models/llama-3-8b}
 VLLM=${VLLM:-vllm}                           # the CLI (a wrapper for a CPU dry run)
 N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
-BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
-STOP_S=45                                    # kept for stopping the server (<= 30 s) and the report
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
 bash benchmarks/gpu/detached_bench.sh wait   # vLLM reserves most of the GPU: not beside a bench
 export PYTHONUNBUFFERED=1
