@@ -52,6 +52,7 @@ def _call(root: Path, system: str, rnd: int) -> Path:
             res = {"num_prompts": 2, "completed": 2 - min(failed, 2), "failed": failed,
                    "duration": 3.0, "output_throughput": tok_s,
                    "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5], "output_lens": [256 * n] * 2,
+                   "start_times": [0.0, 0.0],
                    # stream messages: 1 + gaps; custom's first request in 7 bursts of ~37 tokens
                    "itls": [[0.3] * (6 if system == "custom" and i == 1 else 255 * n),
                             [0.01] * (255 * n)]}
@@ -196,5 +197,19 @@ def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     assert float(got[("custom", "1", "prefix1x2k")]["api_server_cpu_pct"]) == pytest.approx(60)
     assert float(got[("stock", "2", "random")]["api_server_cpu_pct"]) == pytest.approx(50)
     assert "## Streaming: output tokens per stream message, API server CPU" in md
-    assert "| prefix1x2k | 1.0 | 1.9 | 60.0 | 60.0 |" in md
+    # longest silence: stock's first request streams every 0.3 s on after the second one's last
+    # message (3.05 s); custom's first request's 7 messages all fall inside the second's 0.01 s
+    assert float(got[("stock", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.3)
+    assert float(got[("custom", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.01)
+    assert "| prefix1x2k | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 |" in md
     assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved
+
+
+def test_longest_silence_is_over_every_stream_from_each_requests_start():
+    # A starts at 0: messages at 0.5, 0.6, 0.7, 2.7; B starts at 1.0: 1.2, 1.3. No stream got a
+    # message from 1.3 to 2.7.
+    res = {"start_times": [0.0, 1.0], "ttfts": [0.5, 0.2], "itls": [[0.1, 0.1, 2.0], [0.1]]}
+    assert serve_ab_report.longest_silence_s(res) == pytest.approx(1.4)
+    res["itls"][0][-1] = 0.4                                  # A's last at 1.1: 0.7 .. 1.1
+    assert serve_ab_report.longest_silence_s(res) == pytest.approx(0.4)
+    assert serve_ab_report.longest_silence_s({"ttfts": [0.5], "itls": [[0.1]]}) != 0  # nan: no starts

@@ -39,7 +39,7 @@ GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
-           "api_server_cpu_pct")
+           "longest_silence_s", "api_server_cpu_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
@@ -77,6 +77,22 @@ def tokens_per_message(res: dict) -> float:
     return sum(res.get("output_lens") or []) / messages if messages else math.nan
 
 
+def longest_silence_s(res: dict) -> float:
+    """The longest time between two messages of any streams (first token + inter-token gaps
+    from each request's start): a server or client that stalls as a whole shows here, where
+    per-request merging alone would not (H100, 2026-11-26: 1.29 s on CUSTOM's bursty run)."""
+    times = []
+    for start, ttft, gaps in zip(res.get("start_times") or [], res.get("ttfts") or [],
+                                 res.get("itls") or []):
+        t = start + ttft
+        times.append(t)
+        for gap in gaps:
+            t += gap
+            times.append(t)
+    times.sort()
+    return max((b - a for a, b in zip(times, times[1:])), default=math.nan)
+
+
 def shared_kv_read_pct(counters: str) -> float:
     """Share of a workload's decode KV reads served by shared chunks, from the chunkattn:decode_*
     counters serve_ab.sh read on /metrics before and after it; nan without them (stock)."""
@@ -112,6 +128,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
                    status="ok" if not row["failed"] else f"{row['failed']} requests failed")
         cpu = sampled.get((name, "api_server_cpu_pct"))
         row.update(tokens_per_message=tokens_per_message(res),
+                   longest_silence_s=longest_silence_s(res),
                    api_server_cpu_pct=statistics.mean(cpu) if cpu else math.nan)
         counters = run / f"{name}.counters"
         row["shared_kv_read_pct"] = shared_kv_read_pct(
@@ -186,15 +203,19 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
     """How the tokens reached the client: a server that falls behind merges a request's tokens
     into fewer, larger messages, and ITL then measures the API server, not the engine."""
     idx = {(r["system"], r["workload"]): r for r in rows}
-    keys = ("tokens_per_message", "api_server_cpu_pct")
+    keys = ("tokens_per_message", "longest_silence_s", "api_server_cpu_pct")
     head = ["workload", *(f"{s} tokens / message" for s in systems),
+            *(f"{s} longest silence s" for s in systems),
             *(f"{s} API server CPU % (mean)" for s in systems)]
-    body = [[w, *(ab_report._f(idx.get((s, w), {}).get(k)) for k in keys for s in systems)]
+    body = [[w, *(ab_report._f(idx.get((s, w), {}).get(k), 2 if k == "longest_silence_s" else 1)
+                  for k in keys for s in systems)]
             for w in dict.fromkeys(r["workload"] for r in rows)]
     return "\n".join(["", "## Streaming: output tokens per stream message, API server CPU", "",
                       "Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
-                      "API server CPU = the `vllm serve` process's CPU use sampled every 0.25 s "
+                      "longest silence = the longest time no stream got a message (prefill "
+                      "included; the whole server or client stalling); API server CPU = the "
+                      "`vllm serve` process's CPU use sampled every 0.25 s "
                       "while the workload ran (100 = one core).", "",
                       ab_report._table(head, body)]) + "\n"
 
