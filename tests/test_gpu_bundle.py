@@ -3,6 +3,7 @@ manifest is self-consistent, the keep/carry decision follows the image's version
 here reassemble through the device installer's own code (collect, marker, unpack)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -333,3 +334,45 @@ def test_env_keeps_the_v2_samplers_choice_off_flashinfer(tmp_path):
     assert "sampler False" in with_env.stdout
     without = run("")
     assert without.returncode != 0 and "No module named 'flashinfer'" in without.stderr
+
+
+def test_resplit_cuts_the_same_bytes_at_a_new_part_size(tmp_path, monkeypatch):
+    """`bundle.py resplit`: the built parts cut again (the part size shrank when the tree that
+    travels beside each part outgrew 4 MiB): the groups' bytes and checksums are unchanged, the
+    manifest's part lines and layout comments are the new cut's, its other lines stay."""
+    bundle_dir = tmp_path / "bundle"
+    bundle_dir.mkdir()
+    monkeypatch.setattr(bundle, "BUNDLE", bundle_dir)
+    monkeypatch.setattr(bundle, "MANIFEST", tmp_path / "manifest.txt")
+    monkeypatch.setattr(bundle, "REPO", tmp_path)
+    monkeypatch.setattr(bundle, "PART_BYTES", 7000)
+    monkeypatch.setattr(bundle, "XZ_MIN", 1 << 30)
+    rng = __import__("random").Random(11)
+    groups = {"core": [("wheels", _wheel(tmp_path / f"c{i}-1.0-py3-none-any.whl", rng, 3)) for i in range(2)],
+              "nccl": [("wheels", _wheel(tmp_path / "n0-1.0-py3-none-any.whl", rng, 4))]}
+    wheel_lines, layout = bundle._pack(groups)
+    bundle.MANIFEST.write_text("\n".join(["# head", *bundle._layout_comments(wheel_lines, layout),
+                                          "# tail", "closure x 1", *wheel_lines, *layout]) + "\n")
+    before = b"".join((bundle_dir / ln.split()[1] / ln.split()[2]).read_bytes()
+                      for ln in layout if ln.startswith("part "))
+    monkeypatch.setattr(bundle, "PART_BYTES", 4096)
+    bundle.resplit(None)
+    m = _manifest(bundle.MANIFEST)
+    sizes = [int(p[2]) for p in m["part"]]
+    assert len(sizes) == -(-len(before) // 4096) and all(n == 4096 for n in sizes[:-1])
+    after = b"".join((bundle_dir / f / name).read_bytes() for f, name, *_ in m["part"])
+    assert after == before                                   # the same stream, cut elsewhere
+    assert sorted(p.name for p in bundle_dir.glob("c[0-9]*")) == [p[0] for p in m["part"]]
+    for _, name, size, sha in m["part"]:
+        assert hashlib.sha256((bundle_dir / _ / name).read_bytes()).hexdigest() == sha
+    for _, off, n, sha in m["group"]:                          # groups untouched, still whole
+        assert hashlib.sha256(after[int(off):int(off) + int(n)]).hexdigest() == sha
+    text = bundle.MANIFEST.read_text().splitlines()
+    assert text[0] == "# head" and "# tail" in text and "closure x 1" in text
+    assert sum(ln.startswith("# group ") for ln in text) == 2
+    assert f"# {len(sizes)} parts of <= 0 MiB: .bundle/c01 .. c{len(sizes):02d}, one carried per device call" in text
+    last = (int(m["group"][-1][1]) + int(m["group"][-1][2]) - 1) // 4096 + 1
+    assert any(ln.startswith("# group nccl:") and ln.split(" (")[0].endswith(f"-{last}") for ln in text)
+    (bundle_dir / "c01" / "bundle.part01").write_bytes(b"x")   # a part that is not the manifest's
+    with pytest.raises(SystemExit, match="not the manifest's part"):
+        bundle.resplit(None)

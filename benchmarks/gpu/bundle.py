@@ -1,5 +1,5 @@
 """Bundle builder: the wheels the lent GPU lacks for `vllm serve` + `vllm bench serve` with
-vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 60 MiB parts that
+vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 56 MiB parts that
 travel one per device call (README.md). Three groups, back to back: core (vLLM on the image's
 torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two carried only
 if the device's install asks for them.
@@ -7,6 +7,7 @@ if the device's install asks for them.
     .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
     .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
     .venv/bin/python benchmarks/gpu/bundle.py build --from-manifest   # the committed bundle again
+    .venv/bin/python benchmarks/gpu/bundle.py resplit        # the built parts cut at PART_BYTES
     .venv/bin/python benchmarks/gpu/bundle.py status         # what is built, per device call
 
 `closure` runs import_probe.py in a Python 3.12 venv holding vLLM's wheels (and with --live
@@ -38,7 +39,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part per device call)
 MANIFEST = HERE / "bundle_manifest.txt"
-PART_BYTES = 60 << 20
+# 56 MiB leaves the tree that travels with every part call 8 MiB (it outgrew 4 MiB beside 60 MiB
+# parts with the H100 results, 2026-11-26); the core group still takes 5 parts.
+PART_BYTES = 56 << 20
 CALL_BYTES = 64 << 20          # what one device call carries at most: the tree and one part
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
 XZ_MIN = 16 << 20              # wheels this big travel as xz (torch, vllm, triton: 21 -> 16 parts)
@@ -353,9 +356,6 @@ def _rebuild() -> None:
 def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> None:
     size = {ln.split()[-1]: int(ln.split()[3]) for ln in wheel_lines}
     mib = lambda b: f"{b / 2**20:8.2f}"                                   # noqa: E731
-    by_group = {}
-    for ln in wheel_lines:
-        by_group.setdefault(ln.split()[1], []).append(int(ln.split()[3]))
     out = ["# vLLM 0.32.0 (CUDA) for the lent GPU: what the image 'cuda' (Python 3.12, torch",
            "# 2.11.0+cu130) lacks for `vllm serve` + `vllm bench serve` of a Llama model.",
            "# Made by `.venv/bin/python benchmarks/gpu/bundle.py closure ... && ... build`: the",
@@ -364,19 +364,8 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
            "# Parts again: `bundle.py build --from-manifest`. install_bundle.sh reads the lines",
            "# after '# machine-readable'. Sizes: MiB in comments, bytes in those lines.",
            "#"]
-    for ln in part_lines:
-        if ln.startswith("group "):
-            _, g, off, n, _ = ln.split()
-            first, last = int(off) // PART_BYTES + 1, (int(off) + int(n) - 1) // PART_BYTES + 1
-            sizes = by_group[g]
-            out.append(f"# group {g}: {len(sizes)} wheels, {sum(sizes) / 2**20:.1f} MiB of wheels, "
-                       f"tar {int(n) / 2**20:.1f} MiB in parts {first}-{last}"
-                       + (" (wheels as shipped" if g in GROUPS_AS_SHIPPED else
-                          f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py")
-                       + (f"; {OPTIONAL_GROUPS[g]})" if g in OPTIONAL_GROUPS else ")"))
+    out += _layout_comments(wheel_lines, part_lines)
     n_parts = sum(ln.startswith("part ") for ln in part_lines)
-    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: .bundle/c01 .. c{n_parts:02d}, "
-               "one carried per device call")
     out += ["", "# -- carried: the image lacks them or has an incompatible version"]
     out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})" for n, v, why in carry]
     out += [f"# {mib(size[f])}  {f}  (shared library, see SHARED_LIBS in bundle.py)"
@@ -392,6 +381,55 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
     out += wheel_lines + part_lines
     MANIFEST.write_text("\n".join(out) + "\n")
     print(f"wrote {MANIFEST.relative_to(REPO)}: {len(wheel_lines)} wheels, {n_parts} parts")
+
+
+def _layout_comments(wheel_lines: list[str], layout: list[str]) -> list[str]:
+    """The manifest's comments on its layout: each group's wheels, tar and parts, and the parts."""
+    by_group: dict[str, list[int]] = {}
+    for ln in wheel_lines:
+        by_group.setdefault(ln.split()[1], []).append(int(ln.split()[3]))
+    out = []
+    for ln in layout:
+        if ln.startswith("group "):
+            _, g, off, n, _ = ln.split()
+            first, last = int(off) // PART_BYTES + 1, (int(off) + int(n) - 1) // PART_BYTES + 1
+            sizes = by_group[g]
+            out.append(f"# group {g}: {len(sizes)} wheels, {sum(sizes) / 2**20:.1f} MiB of wheels, "
+                       f"tar {int(n) / 2**20:.1f} MiB in parts {first}-{last}"
+                       + (" (wheels as shipped" if g in GROUPS_AS_SHIPPED else
+                          f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py")
+                       + (f"; {OPTIONAL_GROUPS[g]})" if g in OPTIONAL_GROUPS else ")"))
+    n_parts = sum(ln.startswith("part ") for ln in layout)
+    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: .bundle/c01 .. c{n_parts:02d}, "
+               "one carried per device call")
+    return out
+
+
+def resplit(args) -> None:
+    """The built parts cut again at PART_BYTES: the same bytes, groups and checksums, no fetching
+    or packing (minutes of xz). Rewrites the manifest's part lines and its layout comments."""
+    text = MANIFEST.read_text().splitlines()
+    stream = BUNDLE / "stream.tmp"
+    with open(stream, "wb") as out:
+        for _, folder, name, size, sha in (ln.split() for ln in text if ln.startswith("part ")):
+            data = (BUNDLE / folder / name).read_bytes()
+            if len(data) != int(size) or hashlib.sha256(data).hexdigest() != sha:
+                sys.exit(f"{folder}/{name}: not the manifest's part (build first)")
+            out.write(data)
+    for old in BUNDLE.glob("c[0-9]*"):
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    parts = [f"part {folder} {name} {size} {sha}" for folder, name, size, sha in _split([stream])]
+    stream.unlink()
+    layout = [ln for ln in text if ln.startswith("group ")] + parts
+    comments = _layout_comments([ln for ln in text if ln.startswith("wheel ")], layout)
+    old_comments = [i for i, ln in enumerate(text) if ln.startswith("# group ") or
+                    (ln.startswith("# ") and " parts of <= " in ln)]
+    keep = [ln for i, ln in enumerate(text) if i not in old_comments and not ln.startswith("part ")]
+    at = old_comments[0] if old_comments else 0
+    MANIFEST.write_text("\n".join(keep[:at] + comments + keep[at:] + parts) + "\n")
+    print(f"{len(parts)} parts of <= {PART_BYTES >> 20} MiB; {MANIFEST.relative_to(REPO)} rewritten")
 
 
 def _fname(size: dict, name: str, version: str) -> str:
@@ -439,10 +477,11 @@ def main(argv=None):
     b = sub.add_parser("build", help="download, split into parts, write the manifest")
     b.add_argument("--from-manifest", action="store_true", help="refetch and repack the "
                    "committed manifest's wheels instead (checks the parts' checksums)")
+    sub.add_parser("resplit", help="cut the built parts again at PART_BYTES (no fetch, no xz)")
     s = sub.add_parser("status", help="list the parts, one per device call, and check them")
     s.add_argument("--quick", action="store_true", help="sizes only, no checksums")
     args = p.parse_args(argv)
-    {"closure": closure, "build": build, "status": status}[args.cmd](args)
+    {"closure": closure, "build": build, "resplit": resplit, "status": status}[args.cmd](args)
 
 
 if __name__ == "__main__":
