@@ -279,3 +279,18 @@ def test_the_backends_shared_memory_figure_is_the_kernels(emu):
     assert sorted(cuda_fit.PARTIAL_SMEM_BYTES) == [64, 128, 256]
     for head_size, need in cuda_fit.PARTIAL_SMEM_BYTES.items():
         assert need == emu.partial_smem_bytes(head_size)
+
+
+@pytest.mark.parametrize("cap", [1, 3, 5])
+@pytest.mark.parametrize("spec", ["deep_tree", "long"])
+def test_a_final_cta_merges_its_slots_in_batches(emu, splits, monkeypatch, spec, cap):
+    # A final CTA lists the slots it merges in smem, thousands at a time; a short list (forced)
+    # makes the rows of these trees (up to 16 splits of each chunk partial, then the tail's)
+    # go through several batches, fewer slots than KV parts in some.
+    b = batch(spec, seed=6, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+              dtype=torch.bfloat16)
+    plan = plan_of(b)
+    splits(16, 4)
+    monkeypatch.setenv("CHUNKATTN_SLOT_LIST_CAP", str(cap))
+    spare = split_spare_slots(plan, b.query.shape[0], 16, 4)
+    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))

@@ -354,10 +354,16 @@ def test_ncu_stage_profiles_each_point_in_its_own_process(tmp_path):
 log=""; prev=""; for a in "$@"; do [ "$prev" = "--log-file" ] && log=$a; prev=$a; done
 point=$(eval echo \\${{$#}})
 echo "$*" >> {calls}
-cat > "$log" <<CSV
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","1","python3","h","void chunkattn::tpp_final_kernel<__half, 128>(chunkattn::TppParams)","1","7","(128, 1, 1)","(32, 32, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","8$point"
-CSV
+head='"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+launch='"0","1","python3","h","void chunkattn::tpp_final_kernel<__half, 128>(chunkattn::TppParams)","1","7","(128, 1, 1)","(32, 32, 1)","0","9.0"'
+case "$*" in
+  *issue_stalled*) printf '%s\\n' "$head" \\
+    "$launch"',"Command line profiler metrics","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","ratio","0.50"' \\
+    "$launch"',"Command line profiler metrics","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","ratio","3.20"' \\
+    "$launch"',"Command line profiler metrics","smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio","ratio","1.90"' > "$log" ;;
+  *) printf '%s\\n' "$head" "$launch"',"GPU Speed Of Light Throughput","DRAM Throughput","%","8'"$point"'"' \\
+       "==PROF== Disconnected from process 1" > "$log" ;;   # ncu's own line: not a launch
+esac
 """)
     (bin_dir / "ncu").chmod(0o755)
     r, summary = _run_with_stand_ins(tmp_path, bin_dir, "ncu", f"""
@@ -366,8 +372,15 @@ exit 0""")
     assert r.returncode == 0, summary
     points = ("paper_shared", "paper_private", "llama_capacity")
     ran = calls.read_text().splitlines()
-    assert [line.split()[-1] for line in ran] == list(points)
+    # then the stall reasons' metrics at the two latency-bound points, a process each
+    assert [line.split()[-1] for line in ran] == [*points, "paper_shared", "llama_capacity"]
     assert all("--clock-control none" in line and "-k regex:tpp_" in line for line in ran)
+    assert ["issue_stalled" in line for line in ran] == [False] * 3 + [True] * 2
     for p in points:
         assert re.search(rf"ncu-{p} +ok", summary), summary
         assert f"| {p} | void chunkattn::tpp_final_kernel |  | 8{p} % |" in summary, summary
+    for p in ("paper_shared", "llama_capacity"):
+        assert re.search(rf"ncu-stalls-{p} +ok", summary), summary
+        # largest first, the reason's name without the metric's prefix and suffix
+        assert (f"| {p} | void chunkattn::tpp_final_kernel | long_scoreboard 3.20, no_instruction 1.90, "
+                "barrier 0.50 |") in summary, summary

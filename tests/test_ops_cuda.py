@@ -129,6 +129,20 @@ def test_forced_splits(ops, splits, spec, forced):
     check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
+@pytest.mark.parametrize("cap", [1, 3])
+@pytest.mark.parametrize("spec", ["deep_tree", "batch_17"])
+def test_a_final_cta_merges_its_slots_in_batches(ops, splits, monkeypatch, spec, cap):
+    # The slots a final CTA merges are listed in smem, a few thousand at a time: forced short,
+    # the rows' 16 splits x chunk partials + tail splits go through several batches.
+    b = make_batch(spec, seed=3, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+                   dtype=torch.bfloat16, max_node_blocks=6, max_private_blocks=6)
+    plan = plan_of(b)
+    splits(16, 4)
+    monkeypatch.setenv("CHUNKATTN_SLOT_LIST_CAP", str(cap))
+    spare = split_spare_slots(plan, b.query.shape[0], 16, 4)
+    check(b, plan, *run(ops, b, plan, spare_slots=spare))
+
+
 @pytest.mark.parametrize("overlap", OVERLAP_OFF_ON)
 @pytest.mark.parametrize("spec", ["single_prefix", "system_prompts", "batch_17"])
 def test_final_launch_overlapped_or_not(ops, splits, monkeypatch, spec, overlap):

@@ -3,7 +3,8 @@ their goals (issue #9), for Nsight Compute: run_on_device.sh runs each point in 
 `ncu -k regex:tpp_` process and `--summary` turns the CSVs into one table.
 
   python benchmarks/gpu/ncu_points.py POINT          # one call of our op at POINT (under ncu)
-  python benchmarks/gpu/ncu_points.py --summary CSV...   # DRAM %, occupancy, ... per kernel
+  python benchmarks/gpu/ncu_points.py --summary CSV...   # DRAM %, occupancy, ... per kernel, and
+                                                       # stall reasons from ncu_stalls_*.csv
 
 Points (one layer, one decode step), the bench's own (kernel_trees.py grids, same trees):
   paper_shared:  paper "n_p=4096 n_s=4096": b=32, 32/32 heads, fp16, block 64 (27.6 % of roofline)
@@ -13,6 +14,7 @@ Points (one layer, one decode step), the bench's own (kernel_trees.py grids, sam
 from __future__ import annotations
 
 import csv
+import re
 import sys
 
 POINTS = {
@@ -47,31 +49,60 @@ def run_point(name: str) -> None:
     torch.cuda.synchronize()
 
 
+def launches(path: str) -> dict[str, dict[str, str]] | None:
+    """'<launch id> <kernel>' -> metric name -> 'value unit' from one ncu --csv --page details
+    log; None if it holds no profiled kernel."""
+    try:
+        with open(path, newline="") as f:
+            rows = [r for r in csv.reader(f) if r]
+    except OSError:
+        rows = []
+    header = next((i for i, r in enumerate(rows) if "Metric Name" in r), None)
+    if header is None:
+        return None
+    cols = {c: i for i, c in enumerate(rows[header])}
+    last = max(cols[c] for c in ("ID", "Kernel Name", "Grid Size", "Metric Name", "Metric Unit",
+                                 "Metric Value"))
+    by_launch: dict[str, dict[str, str]] = {}
+    for r in rows[header + 1:]:
+        if len(r) <= last:   # ncu's own lines between the launches' rows
+            continue
+        key = f"{r[cols['ID']]} {r[cols['Kernel Name']].split('<')[0].split('(')[0]}"
+        metric, unit = r[cols["Metric Name"]], r[cols["Metric Unit"]]
+        by_launch.setdefault(key, {"Grid Size": r[cols["Grid Size"]]})[metric] = \
+            f"{r[cols['Metric Value']]} {unit}".strip()
+    return by_launch
+
+
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
+
+
 def summary(paths: list[str]) -> str:
+    """The METRICS table of the ncu_<point>.csv logs, then the stall reasons of the
+    ncu_stalls_<point>.csv ones (largest first: warps stalled for it per issued instruction)."""
     lines = ["| point | kernel | " + " | ".join(METRICS) + " |",
              "|---|---|" + "---|" * len(METRICS)]
+    stalls = ["", "Warp stall reasons (warps stalled per issued instruction, the six largest):", "",
+              "| point | kernel | stall reasons |", "|---|---|---|"]
     for path in paths:
         point = path.rsplit("/", 1)[-1].removesuffix(".csv").removeprefix("ncu_")
-        by_launch: dict[str, dict[str, str]] = {}
-        try:
-            with open(path, newline="") as f:
-                rows = [r for r in csv.reader(f) if r]
-        except OSError:
-            rows = []
-        header = next((i for i, r in enumerate(rows) if "Metric Name" in r), None)
-        if header is None:
-            lines.append(f"| {point} | (no kernels profiled) |" + " |" * len(METRICS))
+        by_launch = launches(path)
+        is_stalls = point.startswith("stalls_")
+        point = point.removeprefix("stalls_")
+        if by_launch is None:
+            (stalls if is_stalls else lines).append(
+                f"| {point} | (no kernels profiled) |" + (" |" if is_stalls else " |" * len(METRICS)))
             continue
-        cols = {c: i for i, c in enumerate(rows[header])}
-        for r in rows[header + 1:]:
-            key = f"{r[cols['ID']]} {r[cols['Kernel Name']].split('<')[0].split('(')[0]}"
-            metric, unit = r[cols["Metric Name"]], r[cols["Metric Unit"]]
-            by_launch.setdefault(key, {"Grid Size": r[cols["Grid Size"]]})[metric] = \
-                f"{r[cols['Metric Value']]} {unit}".strip()
         for key, m in by_launch.items():
-            lines.append(f"| {point} | {key.split(' ', 1)[1]} | "
-                         + " | ".join(m.get(x, "") for x in METRICS) + " |")
-    return "\n".join(lines)
+            kernel = key.split(" ", 1)[1]
+            if not is_stalls:
+                lines.append(f"| {point} | {kernel} | " + " | ".join(m.get(x, "") for x in METRICS) + " |")
+                continue
+            reasons = sorted(((float(v.split()[0].replace(",", "")), STALL.fullmatch(k).group(1))
+                              for k, v in m.items() if STALL.fullmatch(k)), reverse=True)
+            stalls.append(f"| {point} | {kernel} | "
+                          + ", ".join(f"{name} {v:.2f}" for v, name in reasons[:6]) + " |")
+    return "\n".join(lines + (stalls if len(stalls) > 5 else []))
 
 
 def main(argv: list[str]) -> int:

@@ -287,6 +287,14 @@ if (( build_rc == 0 )); then
           --section MemoryWorkloadAnalysis --section WarpStateStats --csv --page details \
           --log-file "$WORK/ncu_$pt.csv" "$PY" benchmarks/gpu/ncu_points.py "$pt"
       done
+      # What the latency-bound launches wait on: each stall reason's warps per issued instruction
+      # (the H100 run's sections named only the top one). A stage of its own, so a metric this
+      # ncu lacks fails it alone.
+      for pt in paper_shared llama_capacity; do
+        stage "ncu-stalls-$pt" 60 "$WORK/ncu.log" "$NCU" --clock-control none --target-processes all \
+          -k regex:tpp_ --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+          --csv --page details --log-file "$WORK/ncu_stalls_$pt.csv" "$PY" benchmarks/gpu/ncu_points.py "$pt"
+      done
       "$PY" benchmarks/gpu/ncu_points.py --summary "$WORK"/ncu_*.csv > "$WORK/ncu.md" 2>&1
     else
       printf '%-22s SKIPPED (ncu not found)\n' ncu >> "$SUMMARY"

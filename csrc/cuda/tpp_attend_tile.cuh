@@ -77,21 +77,31 @@ __device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int 
   m2 = mn;
 }
 
-// A final CTA's rows (q heads of sequence `seq`, this warp's row block rb) take in the slots the
-// partial launch wrote for them: the row's chunk partials over their KV splits, then its tail
-// splits 1.. (split 0 is the CTA's own state). The KV parts' warps share them, slot i going to
-// part i % num_parts, so a row's dozen or so slots cost a few dependent loads, not one chain;
-// the parts' states are merged after.
+// A final CTA lists the slots the partial launch wrote for its sequence in smem (after the KV
+// parts' merge buffer, in the KV stages, idle by then): the row's chunk partials over their KV
+// splits, then its tail splits 1.. (split 0 is the CTA's own state). The list comes from the plan
+// alone, so it is made before the wait for the partial grid, all threads loading at once; after
+// the wait a slot costs one load of its state instead of the chain seq_partial_indptr ->
+// seq_partial_ids -> state. Slots [base, base + n) of the row's order go to list[0, n).
+template <int D>
+__device__ __forceinline__ void list_row_slots(const TppParams& p, const ChunkSplits& cs, int seq,
+                                               int k0, int chunk_slots, int base, int n, int* list) {
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    const int i = base + j;
+    list[j] = int(i < chunk_slots ? cs.chunk_slot(i % cs.splits, p.seq_partial_ids[k0 + i / cs.splits])
+                                  : cs.tail_slot(seq, 1 + i - chunk_slots, p.seq_splits));
+  }
+}
+
+// The listed slots merged into this warp's row block (rb): the KV parts' warps share them, slot j
+// going to part j % num_parts, so a row's dozen or so slots cost a few loads in parallel, not one
+// chain; the parts' states are merged after.
 template <int D, typename Sm>
-__device__ __forceinline__ void merge_row_slots(const TppParams& p, const Sm& sm, const ChunkSplits& cs,
-                                                int seq, int rb, int part, int num_parts, int lane,
-                                                float o[][4], float m2[2], float l[2]) {
-  const int k0 = p.seq_partial_indptr[seq];
-  const int chunk_slots = (p.seq_partial_indptr[seq + 1] - k0) * cs.splits;
-  const int total = chunk_slots + p.seq_splits - 1;
-  for (int i = part; i < total; i += num_parts) {
-    const int64_t slot = i < chunk_slots ? cs.chunk_slot(i % cs.splits, p.seq_partial_ids[k0 + i / cs.splits])
-                                         : cs.tail_slot(seq, 1 + i - chunk_slots, p.seq_splits);
+__device__ __forceinline__ void merge_listed_slots(const TppParams& p, const Sm& sm, const int* list, int n,
+                                                   int rb, int part, int num_parts, int lane, float o[][4],
+                                                   float m2[2], float l[2]) {
+  for (int j = part; j < n; j += num_parts) {
+    const int64_t slot = list[j];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int h = sm.row_out[rb * 16 + lane / 4 + 8 * r];
@@ -113,6 +123,12 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rb = warp % WM, part = warp / WM;
   const bool active = part < kParts;
+  // The final CTA's slot count, read first: its loads overlap the KV's.
+  int k0 = 0, k1 = 0;
+  if constexpr (FINAL) {
+    k0 = p.seq_partial_indptr[seq];
+    k1 = p.seq_partial_indptr[seq + 1];
+  }
 
   // Q rows (absent rows zero-filled) go with the first KV stage's commit group.
   const T* query = static_cast<const T*>(p.query);
@@ -228,10 +244,19 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     // Every warp, before the rows diverge; it reads the plan only, so a padded plan's search
     // runs before the wait, while the partial launch may still be running.
     const ChunkSplits cs = chunk_splits_of(p);
-    // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
-    // partial slots are complete and visible only past this point.
-    wait_for_primary_grid();
-    if (active) merge_row_slots<D>(p, sm, cs, seq, rb, part, kParts, lane, o, m2, l);
+    int* list = reinterpret_cast<int*>(reinterpret_cast<char*>(sm.kv) + S::kRedBytes);
+    const int chunk_slots = (k1 - k0) * cs.splits, total = chunk_slots + p.seq_splits - 1;
+    // Every thread, whatever its warp (the KV stages were last read before the loop's barrier).
+    for (int base = 0; base == 0 || base < total; base += p.slot_list_cap) {
+      const int n = min(p.slot_list_cap, total - base);
+      if (base > 0) __syncthreads();  // the last batch is merged
+      list_row_slots<D>(p, cs, seq, k0, chunk_slots, base, n, list);
+      __syncthreads();
+      // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
+      // partial slots are complete and visible only past this point.
+      if (base == 0) wait_for_primary_grid();
+      if (active) merge_listed_slots<D>(p, sm, list, n, rb, part, kParts, lane, o, m2, l);
+    }
   }
 
   // Merge the KV parts of each row block through smem (aliases the now idle KV stages).

@@ -195,6 +195,9 @@ inline TppParams make_tpp_params(
   p.device_splits = w.device_splits;
   p.num_slots = int(slots);
   p.resident_ctas = int(std::max<int64_t>(1, resident_ctas));
+  // CHUNKATTN_SLOT_LIST_CAP (tests): a shorter list, so a row's slots are merged in batches.
+  const int cap = tpp_slot_list_cap(int(s.head_size)), forced_cap = env_int("CHUNKATTN_SLOT_LIST_CAP");
+  p.slot_list_cap = forced_cap > 0 ? std::min(forced_cap, cap) : cap;
   return p;
 }
 

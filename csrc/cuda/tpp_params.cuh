@@ -34,6 +34,9 @@ struct TileShape {
   static constexpr int kKvBytes = kStages * 2 * kTokens * kLd * 2;
   static constexpr int kRedBytes = (kWarps - 1) * 16 * (D + 2) * 4;
   static_assert(kRedBytes <= kKvBytes, "KV-part merge buffer aliases the KV stages");
+  // A final CTA's list of the slots it merges, after the merge buffer in the idle KV stages
+  // (tpp_attend_tile.cuh, list_row_slots): this many at a time.
+  static constexpr int kSlotListCap = (kKvBytes - kRedBytes) / 4;
   static constexpr int smem_bytes(int max_rows) {
     return ((kMetaBytes + 15) / 16) * 16 + max_rows * kLd * 2 + kKvBytes;
   }
@@ -46,6 +49,12 @@ constexpr int tpp_partial_smem_bytes(int head_size) {
   return head_size == 64    ? TileShape<64>::smem_bytes(kMaxRows)
          : head_size == 128 ? TileShape<128>::smem_bytes(kMaxRows)
                             : TileShape<256>::smem_bytes(kMaxRows);
+}
+
+constexpr int tpp_slot_list_cap(int head_size) {
+  return head_size == 64    ? TileShape<64>::kSlotListCap
+         : head_size == 128 ? TileShape<128>::kSlotListCap
+                            : TileShape<256>::kSlotListCap;
 }
 
 // The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 128 / 256; the op
@@ -167,6 +176,8 @@ struct TppParams {
   // A plan padded to a graph's capacities (device_splits = 1): chunk_splits = 1 on the host; the
   // CTAs pick the splits from the real plan within num_slots workspace rows (chunk_splits_of).
   int device_splits, num_slots, resident_ctas;
+  // Slots a final CTA lists in smem at a time (TileShape::kSlotListCap; fewer only for tests).
+  int slot_list_cap;
 };
 
 // The chunk-first splits a launch runs, the partial count its slots are laid out by (split s of

@@ -29,7 +29,8 @@ phase alone is timed with the torch profiler: the kernel time of tpp_partial_ker
 CHUNKATTN_SEQ_SPLITS=1, which leaves that launch only the chunk-first CTAs. On sm_90+ the op's
 final launch overlaps its partial launch (programmatic dependent launch); "ours_serial" times
 ours with CHUNKATTN_OVERLAP_FINAL=0, the final launch after the partial one, as on sm_80; at the
-SPLIT_SWEEP_POINTS ours is also timed at each forced chunk-first split count. These variants are
+SPLIT_SWEEP_POINTS ours is also timed at each forced chunk-first split count, at the
+TAIL_SWEEP_POINTS at each forced private-tail split count. These variants are
 checked against the reference and timed in the same ABBA rounds as the contenders. --grid smoke
 also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be tested anywhere.
 """
@@ -71,6 +72,12 @@ OURS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan")   # a mismatch fa
 SPLIT_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("llama8b", "b=32 P=4096 S=1024"),
                       ("rl", "G=4 n=8 prompt 4K, gen 0"), ("smoke", "b=4 P=64 S=20")}
 SWEEP_SPLITS = (1, 4, 6, 7, 8, 9, 12, 16)
+# Points where ours is also timed with its private tails' KV splits forced: with nothing shared the
+# final launch does the whole decode (1024 CTAs of one head each, 2.6 waves at the paper point on an
+# H100: ours 0.91x FlashInfer decode there); up to 9 splits, the workspace's 8 spare rows a row.
+TAIL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=0"), ("llama8b", "b=32 nothing shared, S=1024"),
+                     ("llama8b", "b=128 nothing shared, S=1024"), ("smoke", "b=4 nothing shared")}
+TAIL_SPLITS = (1, 2, 3, 4, 6, 9)
 
 
 def cuda_graph(fn):
@@ -115,10 +122,11 @@ def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
     return statistics.median(times), ""
 
 
-def variants_of_ours(bt, plan, fns: dict, sweep: bool) -> dict:
+def variants_of_ours(bt, plan, fns: dict, sweep: bool, tail_sweep: bool = False) -> dict:
     """Our op under knobs, timed side by side with the contenders: "ours_serial" (CUDA: the
-    final launch after the partial one) and, at a sweep point, "splits_<k>" for each of
-    SWEEP_SPLITS chunk-first KV splits, in a workspace with room for the most."""
+    final launch after the partial one), at a sweep point "splits_<k>" for each of SWEEP_SPLITS
+    chunk-first KV splits, in a workspace with room for the most, and at a tail sweep point
+    "tails_<k>" for each of TAIL_SPLITS private-tail KV splits."""
     variants = {}
     if "ours" in fns and bt.query.device.type == "cuda":
         variants["ours_serial"] = Variant(fns["ours"], {"CHUNKATTN_OVERLAP_FINAL": 0})
@@ -126,6 +134,9 @@ def variants_of_ours(bt, plan, fns: dict, sweep: bool) -> dict:
         fn = ours(bt, plan, TppWorkspace(spare_rows_per_partial=max(SWEEP_SPLITS)))
         variants.update({f"splits_{k}": Variant(fn, {"CHUNKATTN_CHUNK_SPLITS": k})
                          for k in SWEEP_SPLITS})
+    if tail_sweep and "ours" in fns:
+        variants.update({f"tails_{k}": Variant(fns["ours"], {"CHUNKATTN_SEQ_SPLITS": k})
+                         for k in TAIL_SPLITS})
     return variants
 
 
@@ -205,7 +216,8 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     levels = cascade_levels(plan, table, lens, bs)
     fns, missing = make_contenders(bt, plan, levels, bs, device, fi_why, fi_broken)
     variants = variants_of_ours(bt, plan, fns,
-                                sweep=(point.grid, point.label) in SPLIT_SWEEP_POINTS)
+                                sweep=(point.grid, point.label) in SPLIT_SWEEP_POINTS,
+                                tail_sweep=(point.grid, point.label) in TAIL_SWEEP_POINTS)
     fns.update(variants)
     ours_names = set(OURS) | set(variants)
     expect = tpp_decode_reference(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
@@ -258,8 +270,10 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     row["cf_pct_peak"] = round(100 * row["cf_TFLOPs"] / ceilings[f"gemm_TFLOPs_{shape.dtype}"], 1)
     notes = [f"{k}: {v}" for k, v in missing.items()
              if not v.startswith(("CUDA only", "not timed"))]
-    row["split_sweep_us"] = "; ".join(f"{k}: {timed[f'splits_{k}'] * 1e3:.1f}"
-                                      for k in SWEEP_SPLITS if f"splits_{k}" in timed)
+    for column, name, counts in (("split_sweep_us", "splits", SWEEP_SPLITS),
+                                 ("tail_sweep_us", "tails", TAIL_SPLITS)):
+        row[column] = "; ".join(f"{k}: {timed[f'{name}_{k}'] * 1e3:.1f}"
+                                for k in counts if f"{name}_{k}" in timed)
     row["notes"] = "; ".join(notes + ([why] if why and flops else []))
     row["ours_ok"] = ours_ok
     return row

@@ -97,18 +97,30 @@ def goal_lines(rows: list[dict]) -> list[str]:
     ]
 
 
+SWEEPS = (  # row column, section title, what was forced
+    ("split_sweep_us", "Chunk-first KV splits: the op's choice against forced counts",
+     "The host code (csrc/cuda/tpp_host.h, make_tpp_work) picks the fewest splits that "
+     "fill the partial launch's waves of resident CTAs within 85 % of the best count. "
+     "Here our op (eager) is also timed with CHUNKATTN_CHUNK_SPLITS forced, in a "
+     "workspace with room for 16 splits; a forced count well under the choice's µs "
+     "means the rule misjudges this device."),
+    ("tail_sweep_us", "Private-tail KV splits: the op's choice against forced counts",
+     "With nothing shared the private tails are the whole decode: split 0 of each runs in the "
+     "final launch, splits 1.. in the partial one. The host code picks the tails' splits by "
+     "the same wave rule; here our op (eager) is also timed with CHUNKATTN_SEQ_SPLITS forced "
+     "(up to 9: the workspace's spare rows)."),
+)
+
+
 def split_sweep_lines(rows: list[dict]) -> list[str]:
-    swept = [r for r in rows if r.get("split_sweep_us")]
-    if not swept:
-        return []
-    return ["## Chunk-first KV splits: the op's choice against forced counts", "",
-            "The host code (csrc/cuda/tpp_host.h, make_tpp_work) picks the fewest splits that "
-            "fill the partial launch's waves of resident CTAs within 85 % of the best count. "
-            "Here our op (eager) is also timed with CHUNKATTN_CHUNK_SPLITS forced, in a "
-            "workspace with room for 16 splits; a forced count well under the choice's µs "
-            "means the rule misjudges this device.", "",
-            *[f"- {r['grid']} {r['point']}: the op's choice {_fmt(r['ours_us'])} µs; forced "
-              f"splits: µs {r['split_sweep_us']}" for r in swept], ""]
+    lines = []
+    for column, title, text in SWEEPS:
+        swept = [r for r in rows if r.get(column)]
+        if swept:
+            lines += [f"## {title}", "", text, "",
+                      *[f"- {r['grid']} {r['point']}: the op's choice {_fmt(r['ours_us'])} µs; "
+                        f"forced splits: µs {r[column]}" for r in swept], ""]
+    return lines
 
 
 def tails_lines(rows: list[dict]) -> list[str]:
