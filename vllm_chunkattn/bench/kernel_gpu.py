@@ -58,7 +58,7 @@ from .kernel_trees import ALL_GPU, GRIDS, describe, pool_blocks, tree_block_tabl
 from .roofline import (chunk_first_flops, chunk_first_rows, copy_bytes, gemm_size,
                        kv_bytes_per_token, measure_gemm_tflops, measure_hbm_bandwidth, roofline_us,
                        unique_kv_tokens)
-from .timing import Timer, Variant, op_env
+from .timing import Timer, Variant, cuda_graph, op_env
 
 SDPA_MAX_ROWS = 32        # one SDPA call per row: past this it only adds minutes
 CONTENDERS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan", "fi_decode",
@@ -78,27 +78,6 @@ SWEEP_SPLITS = (1, 4, 6, 7, 8, 9, 12, 16)
 TAIL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=0"), ("llama8b", "b=32 nothing shared, S=1024"),
                      ("llama8b", "b=128 nothing shared, S=1024"), ("smoke", "b=4 nothing shared")}
 TAIL_SPLITS = (1, 2, 3, 4, 6, 9)
-
-
-def cuda_graph(fn):
-    """fn captured in a CUDA graph (after a warm-up on a side stream); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-    # The graph reads, by address, what fn holds (its TppLaunch's plan and workspace, a FlashInfer
-    # wrapper's buffers), and nothing else keeps fn: freed, those blocks went to later tensors and
-    # the replays read them (the first H200 run: wrong outputs, then an illegal address).
-    replay.captured_fn = fn
-    return replay
 
 
 def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:

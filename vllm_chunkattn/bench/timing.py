@@ -106,3 +106,24 @@ class Timer:
         end.record()
         end.synchronize()
         return begin.elapsed_time(end)
+
+
+def cuda_graph(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    # The graph reads, by address, what fn holds (its TppLaunch's plan and workspace, a FlashInfer
+    # wrapper's buffers), and nothing else keeps fn: freed, those blocks went to later tensors and
+    # the replays read them (the first H200 run: wrong outputs, then an illegal address).
+    replay.captured_fn = fn
+    return replay
