@@ -8,6 +8,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import tarfile
 from pathlib import Path
 
@@ -213,3 +214,25 @@ def test_longest_silence_is_over_every_stream_from_each_requests_start():
     res["itls"][0][-1] = 0.4                                  # A's last at 1.1: 0.7 .. 1.1
     assert serve_ab_report.longest_silence_s(res) == pytest.approx(0.4)
     assert serve_ab_report.longest_silence_s({"ttfts": [0.5], "itls": [[0.1]]}) != 0  # nan: no starts
+
+
+def test_kv_bound_is_the_running_rows_at_full_length_the_prefix_once():
+    shape = serve_ab_report.WORKLOADS["prefix1x2k_c128"]          # one 2048-token prefix
+    # 2 running at most: the two 2208-token requests; each 160 + 255 written private tokens = 26
+    # blocks of 16; the prefix's 128 blocks once: 16 x (128 + 26 + 26)
+    res = {"input_lens": [2208, 2100, 2208], "output_lens": [256, 256, 256], "max_concurrency": 2}
+    assert serve_ab_report.kv_bound_tokens(res, shape) == 16 * (128 + 26 + 26)
+    # nothing shared: the longest request alone, 100 + 19 tokens -> 8 blocks
+    res = {"input_lens": [100, 30], "output_lens": [20, 5], "max_concurrency": 1}
+    assert serve_ab_report.kv_bound_tokens(res, serve_ab_report.WORKLOADS["random"]) == 128
+    for w in ("n8x1k", "tree"):                                     # not a row per request
+        assert math.isnan(serve_ab_report.kv_bound_tokens(res, serve_ab_report.WORKLOADS[w]))
+
+
+def test_the_kv_bound_section_sets_each_systems_sample_beside_it():
+    rows = [dict(system=s, workload="random", peak_kv_tokens=t, kv_bound_tokens=1000.0)
+            for s, t in (("stock", 900), ("custom", 990))]
+    md = serve_ab_report.kv_bound_section(rows, ["stock", "custom"])
+    assert "| random | 1,000 | 900 (90.0 %) | 990 (99.0 %) |" in md
+    rows = [dict(r, kv_bound_tokens=math.nan) for r in rows]           # no bound: no section
+    assert serve_ab_report.kv_bound_section(rows, ["stock", "custom"]) == ""

@@ -39,7 +39,7 @@ GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
-           "longest_silence_s", "api_server_cpu_pct")
+           "longest_silence_s", "api_server_cpu_pct", "kv_bound_tokens")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
@@ -75,6 +75,23 @@ def tokens_per_message(res: dict) -> float:
     itls = res.get("itls") or []
     messages = sum(len(gaps) + 1 for gaps in itls)
     return sum(res.get("output_lens") or []) / messages if messages else math.nan
+
+
+BLOCK = 16    # vLLM's KV block on CUDA, stock and CUSTOM alike (CUSTOM's log: chunk size=16)
+
+
+def kv_bound_tokens(res: dict, shape: dict, block: int = BLOCK) -> float:
+    """The most KV tokens a workload's running rows can hold at once, for either system: its
+    max_concurrency largest requests at full length (prompt + outputs - 1 written), each prefix's
+    full blocks once. The peaks sampled every 0.25 s fall under it by however much the rows grew
+    since the last sample; nan where a request is several sequences (n > 1) or a tree."""
+    if shape["n"] != 1 or shape["group"] == "tree" or not res.get("input_lens"):
+        return math.nan
+    shared = shape["shared_len"] // block * block
+    private = sorted((-(-max(0, i - shared + o - 1) // block) for i, o in
+                      zip(res["input_lens"], res.get("output_lens") or [])), reverse=True)
+    running = res.get("max_concurrency") or len(private)
+    return block * (shape["num_prefixes"] * (shared // block) + sum(private[:running]))
 
 
 def longest_silence_s(res: dict) -> float:
@@ -129,6 +146,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         cpu = sampled.get((name, "api_server_cpu_pct"))
         row.update(tokens_per_message=tokens_per_message(res),
                    longest_silence_s=longest_silence_s(res),
+                   kv_bound_tokens=kv_bound_tokens(res, shape),
                    api_server_cpu_pct=statistics.mean(cpu) if cpu else math.nan)
         counters = run / f"{name}.counters"
         row["shared_kv_read_pct"] = shared_kv_read_pct(
@@ -203,7 +221,7 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
     """How the tokens reached the client: a server that falls behind merges a request's tokens
     into fewer, larger messages, and ITL then measures the API server, not the engine."""
     idx = {(r["system"], r["workload"]): r for r in rows}
-    keys = ("tokens_per_message", "longest_silence_s", "api_server_cpu_pct")
+    keys = ("tokens_per_message", "longest_silence_s", "api_server_cpu_pct", "kv_bound_tokens")
     head = ["workload", *(f"{s} tokens / message" for s in systems),
             *(f"{s} longest silence s" for s in systems),
             *(f"{s} API server CPU % (mean)" for s in systems)]
@@ -218,6 +236,31 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
                       "`vllm serve` process's CPU use sampled every 0.25 s "
                       "while the workload ran (100 = one core).", "",
                       ab_report._table(head, body)]) + "\n"
+
+
+def kv_bound_section(rows: list[dict], systems: list[str]) -> str:
+    """Each system's sampled peak KV beside the most the workload can hold: a difference between
+    the systems smaller than their distance to the bound is where the samples fell."""
+    idx = {(r["system"], r["workload"]): r for r in rows}
+    body = []
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        bound = next((idx[(s, w)]["kv_bound_tokens"] for s in systems if (s, w) in idx), math.nan)
+        if math.isnan(bound):
+            continue
+        body.append([w, ab_report._f(bound, 0), *(
+            "–" if (s, w) not in idx else
+            f"{idx[(s, w)]['peak_kv_tokens']:,} ({100 * idx[(s, w)]['peak_kv_tokens'] / bound:.1f} %)"
+            for s in systems)])
+    if not body:
+        return ""
+    return "\n".join(["", "## Peak KV samples against the workload's bound", "",
+                      "Bound = the KV tokens the workload's running rows hold at most: its "
+                      "max-concurrency largest requests at full length (prompt + output - 1 "
+                      f"tokens in blocks of {BLOCK}), each shared prefix's full blocks once; the "
+                      "same for both systems.", "",
+                      ab_report._table(["workload", "bound tokens",
+                                        *(f"{s} sampled peak (% of bound)" for s in systems)],
+                                       body)]) + "\n"
 
 
 def _setup_text(work: Path, pattern: str) -> str:
@@ -284,7 +327,7 @@ def main(argv=None) -> int:
                            if flags[w] != "?"]}
     paths = ab_report.write(rows, setup, a.out, a.tag)
     with open(a.out / f"ab_{a.tag}.md", "a") as f:
-        f.write(streaming_section(rows, systems))
+        f.write(streaming_section(rows, systems) + kv_bound_section(rows, systems))
     print("serve_ab_report:", ", ".join(str(p) for p in [a.out / f"ab_{a.tag}_rounds.csv", *paths]))
     return 0
 
