@@ -202,7 +202,7 @@ def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     # message (3.05 s); custom's first request's 7 messages all fall inside the second's 0.01 s
     assert float(got[("stock", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.3)
     assert float(got[("custom", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.01)
-    assert "| prefix1x2k | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 |" in md
+    assert "| prefix1x2k | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 |\n" in md   # a cell per header
     assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved
 
 

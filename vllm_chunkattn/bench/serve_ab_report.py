@@ -221,7 +221,7 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
     """How the tokens reached the client: a server that falls behind merges a request's tokens
     into fewer, larger messages, and ITL then measures the API server, not the engine."""
     idx = {(r["system"], r["workload"]): r for r in rows}
-    keys = ("tokens_per_message", "longest_silence_s", "api_server_cpu_pct", "kv_bound_tokens")
+    keys = ("tokens_per_message", "longest_silence_s", "api_server_cpu_pct")
     head = ["workload", *(f"{s} tokens / message" for s in systems),
             *(f"{s} longest silence s" for s in systems),
             *(f"{s} API server CPU % (mean)" for s in systems)]
