@@ -274,13 +274,18 @@ def _travelling(group: str, whl: Path) -> Path:
     return recompressed(whl, BUNDLE / "xz")
 
 
-def _pack(groups: dict[str, list[tuple[str, Path]]]) -> tuple[list[str], list[str]]:
-    """{group: [(wheels|reserve, wheel path)]} -> tars back to back -> parts in BUNDLE/cNN.
-    Returns the manifest's `wheel` lines and its `group` + `part` lines."""
+def _clear_parts() -> None:
+    """Removes BUNDLE/cNN, the parts of an earlier cut (_split writes them afresh)."""
     for old in BUNDLE.glob("c[0-9]*"):
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
+
+
+def _pack(groups: dict[str, list[tuple[str, Path]]]) -> tuple[list[str], list[str]]:
+    """{group: [(wheels|reserve, wheel path)]} -> tars back to back -> parts in BUNDLE/cNN.
+    Returns the manifest's `wheel` lines and its `group` + `part` lines."""
+    _clear_parts()
     lines, group_lines, tars, offset = [], [], [], 0
     for group, members in groups.items():
         lines += [f"wheel {group} {sub} {whl.stat().st_size} {_sha256(whl)} {whl.name}"
@@ -416,10 +421,7 @@ def resplit(args) -> None:
             if len(data) != int(size) or hashlib.sha256(data).hexdigest() != sha:
                 sys.exit(f"{folder}/{name}: not the manifest's part (build first)")
             out.write(data)
-    for old in BUNDLE.glob("c[0-9]*"):
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+    _clear_parts()
     parts = [f"part {folder} {name} {size} {sha}" for folder, name, size, sha in _split([stream])]
     stream.unlink()
     layout = [ln for ln in text if ln.startswith("group ")] + parts

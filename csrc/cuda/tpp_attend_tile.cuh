@@ -83,7 +83,6 @@ __device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int 
 // alone, so it is made before the wait for the partial grid, all threads loading at once; after
 // the wait a slot costs one load of its state instead of the chain seq_partial_indptr ->
 // seq_partial_ids -> state. Slots [base, base + n) of the row's order go to list[0, n).
-template <int D>
 __device__ __forceinline__ void list_row_slots(const TppParams& p, const ChunkSplits& cs, int seq,
                                                int k0, int chunk_slots, int base, int n, int* list) {
   for (int j = threadIdx.x; j < n; j += kThreads) {
@@ -250,7 +249,7 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     for (int base = 0; base == 0 || base < total; base += p.slot_list_cap) {
       const int n = min(p.slot_list_cap, total - base);
       if (base > 0) __syncthreads();  // the last batch is merged
-      list_row_slots<D>(p, cs, seq, k0, chunk_slots, base, n, list);
+      list_row_slots(p, cs, seq, k0, chunk_slots, base, n, list);
       __syncthreads();
       // A final CTA may run beside the partial launch (overlap_final): its own tail is done; the
       // partial slots are complete and visible only past this point.
