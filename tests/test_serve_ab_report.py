@@ -72,6 +72,10 @@ def _call(root: Path, system: str, rnd: int) -> Path:
                    f"{i}.0 {name} vllm:kv_cache_usage_perc {usage / 2}",
                    f"{i}.5 {name} vllm:kv_cache_usage_perc {usage}",
                    f"{i}.5 {name} vllm:num_requests_running 32"]
+            if rnd == 1:      # serve_sampler.py's engine core CPU and GPU busy: round 1 only
+                gpu = (98, 100) if system == "stock" else (70, 80)
+                kv += [f"{i}.1 {name} engine_core_cpu_pct 90", f"{i}.2 {name} engine_core_cpu_pct 100",
+                       f"{i}.1 {name} gpu_busy_pct {gpu[0]}", f"{i}.2 {name} gpu_busy_pct {gpu[1]}"]
         _add(t, "./kv.tsv", "\n".join(kv) + "\n")
         _add(t, "./gpu.txt", "NVIDIA H100 80GB HBM3, 580.159.04\n")
         _add(t, "./server_cmd.txt", f"vllm serve /tmp/models/llama-3-8b --port 4242 --dtype bfloat16 ({tag})")
@@ -160,6 +164,8 @@ def test_the_device_summary_has_the_reports_rows(tmp_path):
     # random: 1000 tok/s, peak KV 0.50; n8x1k TPOT per sequence: (1.5 + 2.5) / 2 / 255 s
     assert "| random | 2 | 1000.0 | 7.84 |" in md and "| 50.0 | 32 |" in md
     assert f"| n8x1k | 2 | 500.0 | {1e3 * 2.0 / 255:.2f} |" in md
+    # API server, engine core CPU and GPU busy: the means of the fixture's samples
+    assert "| 50 | 95 | 99 |" in md.splitlines()[4]
 
 
 def test_share_of_decode_kv_reads_from_shared_chunks_per_workload(report):
@@ -197,13 +203,39 @@ def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     assert float(got[("custom", "1", "prefix1x2k")]["tokens_per_message"]) == pytest.approx(512 / 263)
     assert float(got[("custom", "1", "prefix1x2k")]["api_server_cpu_pct"]) == pytest.approx(60)
     assert float(got[("stock", "2", "random")]["api_server_cpu_pct"]) == pytest.approx(50)
-    assert "## Streaming: output tokens per stream message, API server CPU" in md
+    assert "## Streaming and load: tokens per stream message, CPU, GPU busy" in md
     # longest silence: stock's first request streams every 0.3 s on after the second one's last
     # message (3.05 s); custom's first request's 7 messages all fall inside the second's 0.01 s
     assert float(got[("stock", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.3)
     assert float(got[("custom", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.01)
-    assert "| prefix1x2k | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 |\n" in md   # a cell per header
+    # engine core (90, 100) and GPU busy (stock 98, 100; custom 70, 80): round 1's means, the
+    # only round that sampled them (custom's round 2 lost requests anyway)
+    assert "| prefix1x2k | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 | 95.0 | 95.0 | 99.0 | 75.0 |\n" in md
+    assert "| stock GPU busy % | custom GPU busy % |" in md
     assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved
+
+
+def test_load_samples_average_per_round_and_combine_over_the_rounds_that_have_them(report):
+    rounds, combined, _ = report
+    got = {(r["system"], r["round"], r["workload"]): r for r in rounds}
+    assert float(got[("custom", "1", "random")]["gpu_busy_pct"]) == pytest.approx(75)
+    assert float(got[("stock", "1", "n8x1k")]["engine_core_cpu_pct"]) == pytest.approx(95)
+    assert math.isnan(float(got[("custom", "2", "random")]["gpu_busy_pct"]))   # not sampled
+    # stock random: round 1 sampled 99, round 2 nothing: the median is round 1's, not nan
+    nums = [{k: float(v) if k in serve_ab_report.NUMERIC else v for k, v in r.items()}
+            for r in rounds if (r["system"], r["workload"]) == ("stock", "random")]
+    (row,) = serve_ab_report.combine(nums)
+    assert row["gpu_busy_pct"] == pytest.approx(99) and row["rounds"] == 2
+    assert row["output_tok_s"] == 1050                                           # both rounds
+
+
+def test_streaming_columns_no_round_sampled_are_left_out():
+    nan = math.nan
+    rows = [dict(system="stock", workload="random", tokens_per_message=1.0, longest_silence_s=0.25,
+                 api_server_cpu_pct=30.0, engine_core_cpu_pct=nan, gpu_busy_pct=nan)]
+    md = serve_ab_report.streaming_section(rows, ["stock"])
+    assert "| workload | stock tokens / message | stock longest silence s | stock API server CPU % |" in md
+    assert "| random | 1.0 | 0.25 | 30.0 |" in md and "GPU busy %" not in md.split("\n\n")[2]
 
 
 def test_longest_silence_is_over_every_stream_from_each_requests_start():

@@ -136,31 +136,9 @@ echo "server up in $((SECONDS - t0)) s"
 grep -m3 -iE "chunkattn|attention backend" "$OUT/server_$TAG.log"
 
 echo idle > "$WORK/current"
-$PY - "$URL/metrics" "$WORK" "$SERVER" <<'PY' &
-# KV usage and running requests every 0.25 s, tagged with the workload in flight, and the API
-# server process's CPU use (a saturated API server streams tokens in bursts: H100, 2026-11-26).
-import sys, time, urllib.request
-import psutil
-url, work, pid = sys.argv[1:4]
-api = psutil.Process(int(pid))
-api.cpu_percent(None)                    # starts the interval the next call measures
-with open(f"{work}/kv.tsv", "a") as out:
-    while True:
-        try:
-            text = urllib.request.urlopen(url, timeout=2).read().decode()
-            w = open(f"{work}/current").read().strip()
-            # empty: read while bench() rewrites it, no workload to tag this sample with
-            for line in text.splitlines() if w else []:
-                if line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_running")):
-                    out.write(f"{time.time():.2f} {w} {line.split('{')[0]} {line.split()[-1]}\n")
-            cpu = api.cpu_percent(None)
-            if w:
-                out.write(f"{time.time():.2f} {w} api_server_cpu_pct {cpu:.1f}\n")
-            out.flush()
-        except (OSError, psutil.Error):
-            pass
-        time.sleep(0.25)
-PY
+# KV usage, running requests, the API server's and engine core's CPU and the GPU's busy share
+# every 0.25 s, tagged with the workload in flight (serve_sampler.py).
+$PY benchmarks/gpu/serve_sampler.py "$URL/metrics" "$WORK" "$SERVER" &
 SAMPLER=$!
 
 # A workload starts only if the budget left covers the longest one measured so far (GUESS_S

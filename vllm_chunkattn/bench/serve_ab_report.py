@@ -39,7 +39,10 @@ GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
-           "longest_silence_s", "api_server_cpu_pct", "kv_bound_tokens")
+           "longest_silence_s", "api_server_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct",
+           "kv_bound_tokens")
+# serve_sampler.py's load samples: a workload's mean of each goes into its row.
+LOAD = ("api_server_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
@@ -143,11 +146,12 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         row.update(peak_kv_usage_pct=100 * usage, peak_kv_tokens=round(usage * capacity),
                    peak_running=int(kv.get((name, "vllm:num_requests_running"), 0)),
                    status="ok" if not row["failed"] else f"{row['failed']} requests failed")
-        cpu = sampled.get((name, "api_server_cpu_pct"))
         row.update(tokens_per_message=tokens_per_message(res),
                    longest_silence_s=longest_silence_s(res),
-                   kv_bound_tokens=kv_bound_tokens(res, shape),
-                   api_server_cpu_pct=statistics.mean(cpu) if cpu else math.nan)
+                   kv_bound_tokens=kv_bound_tokens(res, shape))
+        for key in LOAD:
+            seen = sampled.get((name, key))
+            row[key] = statistics.mean(seen) if seen else math.nan
         counters = run / f"{name}.counters"
         row["shared_kv_read_pct"] = shared_kv_read_pct(
             counters.read_text() if counters.exists() else "")
@@ -185,18 +189,21 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
     rows = read_run(run, system, int(rnd), server_log.read_text(errors="replace"))
     lines = [f"# {tag}: vllm serve, vllm bench serve (TPOT per sequence)", "",
              "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
-             "| peak KV % | peak running | shared KV reads % | tokens / message | API server CPU % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak KV % | peak running | shared KV reads % | tokens / message | API server CPU % "
+             "| engine core CPU % | GPU busy % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
               f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
               f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} "
               f"| {r['shared_kv_read_pct']:.1f} | {r['tokens_per_message']:.1f} "
-              f"| {r['api_server_cpu_pct']:.0f} |" for r in rows]
+              f"| {r['api_server_cpu_pct']:.0f} | {r['engine_core_cpu_pct']:.0f} "
+              f"| {r['gpu_busy_pct']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
 def combine(rounds: list[dict]) -> list[dict]:
-    """One row per (system, workload): the median of its rounds that completed."""
+    """One row per (system, workload): the median of its rounds that completed (of each number,
+    over the rounds that have it)."""
     out = []
     keys = list(dict.fromkeys((r["system"], r["workload"]) for r in rounds))
     for system, workload in keys:
@@ -207,9 +214,10 @@ def combine(rounds: list[dict]) -> list[dict]:
         if not ok:
             out.append(row)
             continue
-        for k in NUMERIC:
-            row[k] = statistics.median(r[k] for r in ok)
-            if k in INTEGER:
+        for k in NUMERIC:     # over the rounds that measured it (a round may predate a sample)
+            seen = [r[k] for r in ok if not math.isnan(r[k])]
+            row[k] = statistics.median(seen) if seen else math.nan
+            if k in INTEGER and seen:
                 row[k] = round(row[k])
         row["status"] = "ok"
         row["rounds"] = len(ok)
@@ -217,24 +225,33 @@ def combine(rounds: list[dict]) -> list[dict]:
     return out
 
 
+STREAM_COLUMNS = {"tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
+                  "api_server_cpu_pct": "API server CPU %", "engine_core_cpu_pct": "engine core CPU %",
+                  "gpu_busy_pct": "GPU busy %"}
+
+
 def streaming_section(rows: list[dict], systems: list[str]) -> str:
-    """How the tokens reached the client: a server that falls behind merges a request's tokens
-    into fewer, larger messages, and ITL then measures the API server, not the engine."""
+    """How the tokens reached the client and what each step waited on: a server that falls
+    behind merges a request's tokens into fewer, larger messages (ITL then measures the API
+    server, not the engine); a GPU idle between steps while the engine core works says the
+    steps wait for the host. Columns no run sampled (rounds before the sampler had them) are
+    left out."""
     idx = {(r["system"], r["workload"]): r for r in rows}
-    keys = ("tokens_per_message", "longest_silence_s", "api_server_cpu_pct")
-    head = ["workload", *(f"{s} tokens / message" for s in systems),
-            *(f"{s} longest silence s" for s in systems),
-            *(f"{s} API server CPU % (mean)" for s in systems)]
+    keys = [k for k in STREAM_COLUMNS
+            if any(not math.isnan(r.get(k, math.nan)) for r in rows)]
+    head = ["workload", *(f"{s} {STREAM_COLUMNS[k]}" for k in keys for s in systems)]
     body = [[w, *(ab_report._f(idx.get((s, w), {}).get(k), 2 if k == "longest_silence_s" else 1)
                   for k in keys for s in systems)]
             for w in dict.fromkeys(r["workload"] for r in rows)]
-    return "\n".join(["", "## Streaming: output tokens per stream message, API server CPU", "",
+    return "\n".join(["", "## Streaming and load: tokens per stream message, CPU, GPU busy", "",
                       "Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
                       "longest silence = the longest time no stream got a message (prefill "
-                      "included; the whole server or client stalling); API server CPU = the "
-                      "`vllm serve` process's CPU use sampled every 0.25 s "
-                      "while the workload ran (100 = one core).", "",
+                      "included; the whole server or client stalling); API server / engine core "
+                      "CPU = the `vllm serve` process's and its EngineCore's CPU use (100 = one "
+                      "core; the engine core also spins while it waits for the GPU); GPU busy = "
+                      "NVML's share of time with a kernel running; each the mean of samples every "
+                      "0.25 s while the workload ran.", "",
                       ab_report._table(head, body)]) + "\n"
 
 

@@ -1,0 +1,112 @@
+"""serve_ab.sh's sampler: while a server runs, every 0.25 s, what it holds and what it keeps busy.
+
+    python benchmarks/gpu/serve_sampler.py URL WORK SERVER_PID
+
+Appends `time workload metric value` lines to WORK/kv.tsv, tagged with the workload named in
+WORK/current (no line while that is empty: bench() is rewriting it):
+  vllm:kv_cache_usage_perc, vllm:num_requests_running   from /metrics
+  api_server_cpu_pct    the `vllm serve` process (saturated, it streams tokens in bursts)
+  engine_core_cpu_pct   its EngineCore child: scheduler, plan builds, launches (100 = one core;
+                        near 100 also while it spin-waits on the GPU, so alone it says little)
+  gpu_busy_pct          NVML's share of its last sample period with a kernel running
+Why the last two: at 128 -> 256 concurrent CUSTOM's step time doubled with no more throughput
+(H100, 2026-11-26); a GPU busy well under 100 % while the engine core is at ~100 % says the
+steps wait for the host, not for the GPU. Stock is sampled the same way.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import urllib.request
+
+KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running")
+PERIOD_S = 0.25
+
+
+def metric_lines(text: str) -> list[tuple[str, str]]:
+    """(name, value) of the KV metrics in a /metrics page (labels dropped)."""
+    return [(line.split("{")[0].split()[0], line.split()[-1]) for line in text.splitlines()
+            if line.startswith(KV_METRICS)]
+
+
+def engine_core(server):
+    """The server's EngineCore process (vLLM titles it VLLM::EngineCore), or None."""
+    import psutil
+
+    for child in server.children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def nvml_busy():
+    """A function giving the GPU's busy % (NVML utilization.gpu), or None where NVML is absent.
+    vLLM carries NVML's bindings (vllm/third_party/pynvml.py): loaded by path, so the sampler
+    does not import vLLM; nvidia-ml-py's `pynvml` where that is not there."""
+    module = None
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "third_party", "pynvml.py")
+        if os.path.exists(path):
+            loaded = importlib.util.spec_from_file_location("_sampler_pynvml", path)
+            module = sys.modules[loaded.name] = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)      # it looks itself up in sys.modules
+    if module is None:
+        try:
+            import pynvml as module
+        except ImportError:
+            return None
+    try:
+        module.nvmlInit()
+        handle = module.nvmlDeviceGetHandleByIndex(0)   # the device machine has one GPU
+        module.nvmlDeviceGetUtilizationRates(handle)
+    except Exception:                                   # NVMLError: no driver, no GPU
+        return None
+
+    def busy():
+        try:
+            return module.nvmlDeviceGetUtilizationRates(handle).gpu
+        except Exception:                               # NVMLError: the GPU fell off the bus
+            return None
+    return busy
+
+
+def sample_forever(url: str, work: str, server_pid: int, period_s: float = PERIOD_S) -> None:
+    import psutil
+
+    server = psutil.Process(server_pid)
+    server.cpu_percent(None)             # starts the interval the next call measures
+    core = None
+    busy = nvml_busy()
+    with open(os.path.join(work, "kv.tsv"), "a") as out:
+        while True:
+            try:
+                text = urllib.request.urlopen(url, timeout=2).read().decode()
+                with open(os.path.join(work, "current")) as f:
+                    workload = f.read().strip()
+                if core is None and (core := engine_core(server)) is not None:
+                    core.cpu_percent(None)
+                    core_cpu = None      # its first interval starts now
+                else:
+                    core_cpu = core.cpu_percent(None) if core is not None else None
+                values = [*metric_lines(text), ("api_server_cpu_pct", f"{server.cpu_percent(None):.1f}")]
+                if core_cpu is not None:
+                    values.append(("engine_core_cpu_pct", f"{core_cpu:.1f}"))
+                if busy is not None and (pct := busy()) is not None:
+                    values.append(("gpu_busy_pct", str(pct)))
+                now = f"{time.time():.2f}"
+                for name, value in values if workload else []:
+                    out.write(f"{now} {workload} {name} {value}\n")
+                out.flush()
+            except (OSError, psutil.Error):
+                pass
+            time.sleep(period_s)
+
+
+if __name__ == "__main__":
+    sample_forever(sys.argv[1], sys.argv[2], int(sys.argv[3]))
