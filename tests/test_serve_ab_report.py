@@ -82,8 +82,26 @@ def _call(root: Path, system: str, rnd: int) -> Path:
     kernel = "TPP decode kernel=native-cuda, chunk size=16 tokens\n" if system == "custom" else ""
     (call / f"server_{tag}.log").write_text(
         f"INFO GPU KV cache size: {CAPACITY:,} tokens\n{kernel}"
-        "Capturing CUDA graphs (decode, FULL): 100%\n")
+        "Capturing CUDA graphs (decode, FULL): 100%\n" + (_step_lines(system, rnd) if rnd == 1 else ""))
     return call
+
+
+def _step_lines(system: str, rnd: int) -> str:
+    """vLLM's iteration log (--enable-logging-iteration-details) between serve_ab.sh's marks: a
+    prefill step, two decode steps of 2 rows (waits 10, 12 ms stock; 2, 4 ms custom), one of 1
+    row; the peak is the first decode step, 1 point over the sampled peak."""
+    lines = []
+    for name, (_, usage, _) in RUNS[(system, rnd)].items():
+        wait = 10.0 if system == "stock" else 2.0
+        lines += [f'INFO:     127.0.0.1:1 - "GET /health?serve_ab={name}.start HTTP/1.1" 200 OK']
+        for ctx, gen, elapsed, kv in ((1, 0, 50.0, 50 * usage), (0, 2, wait, 100 * usage + 1),
+                                      (0, 2, wait + 2, 100 * usage), (0, 1, 1.0, 100 * usage - 1)):
+            lines.append(f"(APIServer pid=1) INFO 11-26 15:36:22 [loggers.py:199] Engine 000: "
+                         f"Iteration(3): {ctx} context requests, {2208 * ctx} context tokens, {gen} "
+                         f"generation requests, {gen} generation tokens, iteration elapsed time: "
+                         f"{elapsed:.2f} ms, GPU KV cache usage: {kv:.1f}%")
+        lines += [f'INFO:     127.0.0.1:1 - "GET /health?serve_ab={name}.end HTTP/1.1" 200 OK']
+    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture
@@ -165,7 +183,7 @@ def test_the_device_summary_has_the_reports_rows(tmp_path):
     assert "| random | 2 | 1000.0 | 7.84 |" in md and "| 50.0 | 32 |" in md
     assert f"| n8x1k | 2 | 500.0 | {1e3 * 2.0 / 255:.2f} |" in md
     # API server, engine core CPU and GPU busy: the means of the fixture's samples
-    assert "| 50 | 95 | 99 |" in md.splitlines()[4]
+    assert "| 50 | 95 | 99 | 750.00 | 11.00 | 51,000 |" in md.splitlines()[4]   # + the step log
 
 
 def test_share_of_decode_kv_reads_from_shared_chunks_per_workload(report):
@@ -236,6 +254,20 @@ def test_streaming_columns_no_round_sampled_are_left_out():
     md = serve_ab_report.streaming_section(rows, ["stock"])
     assert "| workload | stock tokens / message | stock longest silence s | stock API server CPU % |" in md
     assert "| random | 1.0 | 0.25 | 30.0 |" in md and "GPU busy %" not in md.split("\n\n")[2]
+
+
+def test_engine_steps_section_from_the_iteration_log(report):
+    """Round 1 logged steps (round 2 did not): 4 steps in the 3 s benchmark -> 750 ms a step;
+    decode waits (10, 12) -> 11 stock, (2, 4) -> 3 custom; per-step peaks 1 point over the
+    sampled ones: random 51,000 vs 56,000 = +9.8 %, the worst."""
+    rounds, _, md = report
+    got = {(r["system"], r["round"], r["workload"]): r for r in rounds}
+    assert float(got[("stock", "1", "random")]["decode_wait_ms"]) == pytest.approx(11)
+    assert float(got[("custom", "1", "prefix1x2k")]["step_peak_kv_tokens"]) == 11_000
+    assert math.isnan(float(got[("stock", "2", "random")]["steps"]))
+    assert "## Engine steps (vLLM's iteration log)" in md
+    assert "| random | 4 | 4 | 750.00 | 750.00 | 11.00 | 3.00 | 51,000 | 56,000 |" in md
+    assert "worst over the workloads both logged: **+9.8 %** (random; goal ≤ +0 %): NOT met" in md
 
 
 def test_longest_silence_is_over_every_stream_from_each_requests_start():

@@ -79,8 +79,10 @@ workload() {
   esac
 }
 
+# --enable-logging-iteration-details: vLLM logs every step's batch, KV usage and wait for the
+# GPU (bench/serve_steps.py reads them between bench()'s marks), for both systems alike.
 server_args=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port "$PORT"
-             --gpu-memory-utilization 0.90)
+             --gpu-memory-utilization 0.90 --enable-logging-iteration-details)
 [ "$SYSTEM" = custom ] && server_args+=(--attention-backend CUSTOM)
 # e.g. EXTRA_SERVER_ARGS='--compilation-config {"cudagraph_mode":"PIECEWISE"}' to take attention
 # out of the decode graphs if FULL graphs misbehave (word-split: no spaces inside the JSON).
@@ -91,7 +93,9 @@ echo "== $TAG: vllm serve $MODEL ${server_args[*]}"
 echo "vllm serve $MODEL ${server_args[*]}" > "$WORK/server_cmd.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$WORK/gpu.txt" 2> /dev/null
 up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-       "$URL/health" 2> /dev/null; }      # no curl needed on the image
+       "${1:-$URL/health}" 2> /dev/null; }      # no curl needed on the image
+# A workload's edges in the server log (its access log line, in order with the step lines).
+mark() { up "$URL/health?serve_ab=$1.$2" || true; }
 stop() {   # $1: our server's pid: SIGINT (vLLM's clean shutdown), then SIGKILL after 30 s for
            # what is left of its process tree (the engine core too); "leftover": an earlier
            # call's server or client, killed at once (a server still starting ignores SIGINT)
@@ -171,11 +175,13 @@ bench() {   # name, then `vllm bench serve` flags
   echo "$name" > "$WORK/current"
   echo "$*" > "$WORK/$name.flags"
   echo "before $(counters)" > "$WORK/$name.counters"   # its share of decode KV reads from shared chunks
+  mark "$name" start
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
   timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "$URL" \
     --model "$MODEL" --seed 0 --save-result --save-detailed --result-dir "$WORK" \
     --result-filename "$name.json" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?; echo idle > "$WORK/current"
+  mark "$name" end
   echo "after $(counters)" >> "$WORK/$name.counters"
   [ "$name" = warmup ] || [ $((SECONDS - start)) -le $longest ] || longest=$((SECONDS - start))
   echo "$name: rc=$rc in $((SECONDS - start)) s, $(grep -E 'Output token throughput' \

@@ -20,7 +20,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from . import ab_report
+from . import ab_report, serve_steps
 from .server_client import latency_metrics
 
 # serve_ab.sh's workloads: what each shares (ab_report's columns).
@@ -40,10 +40,10 @@ NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", 
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
            "longest_silence_s", "api_server_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct",
-           "kv_bound_tokens")
+           "kv_bound_tokens", "steps", "mean_step_ms", "decode_wait_ms", "step_peak_kv_tokens")
 # serve_sampler.py's load samples: a workload's mean of each goes into its row.
 LOAD = ("api_server_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
-INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running")
+INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running", "steps", "step_peak_kv_tokens")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
 
@@ -133,6 +133,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
     capacity = kv_capacity_tokens(server_log)
     sampled = samples((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
     kv = peaks(sampled)
+    steps = serve_steps.workload_steps(server_log)
     rows = []
     for name, shape in WORKLOADS.items():
         result = run / f"{name}.json"
@@ -148,7 +149,8 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
                    status="ok" if not row["failed"] else f"{row['failed']} requests failed")
         row.update(tokens_per_message=tokens_per_message(res),
                    longest_silence_s=longest_silence_s(res),
-                   kv_bound_tokens=kv_bound_tokens(res, shape))
+                   kv_bound_tokens=kv_bound_tokens(res, shape),
+                   **serve_steps.step_stats(steps.get(name, []), res.get("duration", 0), capacity))
         for key in LOAD:
             seen = sampled.get((name, key))
             row[key] = statistics.mean(seen) if seen else math.nan
@@ -190,14 +192,15 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
     lines = [f"# {tag}: vllm serve, vllm bench serve (TPOT per sequence)", "",
              "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
              "| peak KV % | peak running | shared KV reads % | tokens / message | API server CPU % "
-             "| engine core CPU % | GPU busy % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine core CPU % | GPU busy % | mean step ms | decode-step wait ms | peak KV per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
               f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
               f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} "
               f"| {r['shared_kv_read_pct']:.1f} | {r['tokens_per_message']:.1f} "
               f"| {r['api_server_cpu_pct']:.0f} | {r['engine_core_cpu_pct']:.0f} "
-              f"| {r['gpu_busy_pct']:.0f} |" for r in rows]
+              f"| {r['gpu_busy_pct']:.0f} | {r['mean_step_ms']:.2f} | {r['decode_wait_ms']:.2f} "
+              f"| {ab_report._f(r['step_peak_kv_tokens'], 0)} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -344,7 +347,8 @@ def main(argv=None) -> int:
                            if flags[w] != "?"]}
     paths = ab_report.write(rows, setup, a.out, a.tag)
     with open(a.out / f"ab_{a.tag}.md", "a") as f:
-        f.write(streaming_section(rows, systems) + kv_bound_section(rows, systems))
+        f.write(streaming_section(rows, systems) + kv_bound_section(rows, systems)
+                + serve_steps.steps_section(rows, systems))
     print("serve_ab_report:", ", ".join(str(p) for p in [a.out / f"ab_{a.tag}_rounds.csv", *paths]))
     return 0
 
