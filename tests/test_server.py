@@ -151,3 +151,22 @@ def test_mla_is_refused_by_backend_selection():
         "ChunkAttnBackend")
     # Without the flag the CPU platform still picks vLLM's own backend.
     assert "CPUAttentionBackend" in CpuPlatform.get_attn_backend_cls(None, plain)
+
+
+def test_a_second_start_is_refused_and_orphans_nothing():
+    """`with ServerProcess(...) as s: s.start()` once started a second server and left the first
+    running after the block (seen in a benchmark script, 2026-11-26)."""
+    import subprocess
+    import sys
+
+    server = ServerProcess("unused-model", [])
+    server.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                   start_new_session=True)     # stands in for a running server
+    first = server.proc
+    try:
+        with pytest.raises(ServerError, match="already running; stop"):
+            server.start()
+        assert server.proc is first and first.poll() is None
+    finally:
+        server.stop(timeout_s=5)
+    assert first.poll() is not None

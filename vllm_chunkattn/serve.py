@@ -87,6 +87,10 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 600) -> "ServerProcess":
+        if self.proc is not None and self.proc.poll() is None:
+            # A second start would orphan the running server (its GPU or KV memory, its port):
+            # `with ServerProcess(...)` has already started it.
+            raise ServerError(f"the server on {self.url} is already running; stop() it first")
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         Thread(target=self._drain, daemon=True).start()
