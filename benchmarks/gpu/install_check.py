@@ -48,7 +48,7 @@ for ext in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch")
         ok &= ext != "vllm._C_stable_libtorch"     # 0.32's vllm._C (CUDA) goes by this name
 if cuda:
     # vLLM's own CUDA ops on this torch against references: on the image's torch 2.11 they run
-    # through torch's stable C ABI only (bundle.py TORCH_STACK); wrong or failing means carry
+    # through torch's stable C ABI only (device_image.py TORCH_STACK); wrong or failing means carry
     # torch 2.13 after all.
     try:
         x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
