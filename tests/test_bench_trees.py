@@ -290,10 +290,16 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     timed = dict(part.split(": ") for part in tails["b=4 nothing shared"].split("; "))
     assert [int(k) for k in timed] == list(kernel_gpu.TAIL_SPLITS)
     assert all(float(v) > 0 for v in timed.values())
+    # ... and at each final-launch stage size
+    finals = {r["point"]: r["final_sweep_us"] for r in rows if r["final_sweep_us"]}
+    assert list(finals) == ["b=4 P=64 S=20"]
+    timed = dict(part.split(": ") for part in finals["b=4 P=64 S=20"].split("; "))
+    assert [int(k) for k in timed] == list(kernel_gpu.FINAL_STAGES) == [64, 32]
     md = (tmp_path / "kernel_cpu_smoke.md").read_text()
     assert md.count("\n| b=4 P=64 S=20 |") == 1 and (tmp_path / "kernel_cpu_smoke.png").exists()
     assert "- smoke b=4 P=64 S=20: the op's choice " in md
     assert "## Private-tail KV splits" in md and "- smoke b=4 nothing shared: the op's choice " in md
+    assert "## Final launch's KV stage: 64 tokens (default) against 32" in md
 
 
 def test_a_wrong_contender_is_not_timed_and_wrong_ours_fails_the_run(tmp_path, monkeypatch):

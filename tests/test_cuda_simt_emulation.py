@@ -294,3 +294,59 @@ def test_a_final_cta_merges_its_slots_in_batches(emu, splits, monkeypatch, spec,
     monkeypatch.setenv("CHUNKATTN_SLOT_LIST_CAP", str(cap))
     spare = split_spare_slots(plan, b.query.shape[0], 16, 4)
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
+
+
+# Final-launch smem by hand (tpp_params.cuh TileShape::smem_bytes(16)): 768 bytes of row meta,
+# 16 Q rows of (D + 8) halves, 2 stages x (K + V) x tokens x (D + 8) halves.
+FINAL_SMEM = {(64, 64): 768 + 16 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 39,936
+              (64, 32): 768 + 16 * 72 * 2 + 2 * 2 * 32 * 72 * 2,      # 21,504
+              (128, 64): 768 + 16 * 136 * 2 + 2 * 2 * 64 * 136 * 2,   # 74,752
+              (128, 32): 768 + 16 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 39,936
+
+
+@pytest.mark.parametrize("at_issue", [False, True])
+@pytest.mark.parametrize("case", [("long", 64, (1, 1)), ("long", 128, (1, 3)),
+                                  ("deep_tree", 128, (4, 4)), ("no_sharing", 128, (1, 2)),
+                                  ("system_prompts", 64, (3, 2))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_final_launch_in_compact_stages(emu, splits, monkeypatch, case, dtype, at_issue):
+    # CHUNKATTN_FINAL_STAGE_TOKENS=32: the final launch streams split 0 of each tail in stages of
+    # 32 tokens (2 of its 4 warps per stage) inside split bounds laid out in 64-token stages, and
+    # lists its slots in the smaller smem; the same results, in the smem worked out by hand.
+    spec, head_size, forced = case
+    b = batch(spec, seed=9, num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
+              dtype=dtype)
+    plan = plan_of(b)
+    splits(*forced)
+    spare = split_spare_slots(plan, b.query.shape[0], *forced)
+    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "32")
+    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
+    assert emu.last_launch()[3] == FINAL_SMEM[(head_size, 32)]
+    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "0")        # any other value: the default
+    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
+    assert emu.last_launch()[3] == FINAL_SMEM[(head_size, 64)]
+
+
+def test_compact_final_stages_merge_slots_in_batches(emu, splits, monkeypatch):
+    # The compact final stage's slot list (2,464 at head 128) with a forced short one, as
+    # test_a_final_cta_merges_its_slots_in_batches does for the default stage.
+    b = batch("deep_tree", seed=6, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+              dtype=torch.bfloat16)
+    plan = plan_of(b)
+    splits(16, 4)
+    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "32")
+    monkeypatch.setenv("CHUNKATTN_SLOT_LIST_CAP", "3")
+    spare = split_spare_slots(plan, b.query.shape[0], 16, 4)
+    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
+
+
+def test_head_256_has_one_final_stage_whatever_the_knob(emu, monkeypatch):
+    # Head 256 already stages 32 tokens: the knob changes nothing (2 stages x (K + V) x 32 x 264).
+    b = batch("system_prompts", seed=2, num_heads=8, num_kv_heads=2, head_size=256,
+              block_size=16, dtype=torch.float16)
+    plan = plan_of(b)
+    want = 768 + 16 * 264 * 2 + 2 * 2 * 32 * 264 * 2
+    for knob in ("32", "0"):
+        monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", knob)
+        assert_matches_reference(b, plan, *run(emu, b, plan))
+        assert emu.last_launch()[3] == want

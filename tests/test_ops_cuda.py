@@ -143,6 +143,34 @@ def test_a_final_cta_merges_its_slots_in_batches(ops, splits, monkeypatch, spec,
     check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
+@pytest.mark.parametrize("case", [("long", 64, (1, 1)), ("long", 128, (1, 3)),
+                                  ("deep_tree", 128, (4, 4)), ("no_sharing", 128, (1, 2)),
+                                  ("system_prompts", 64, (3, 2))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_final_launch_in_compact_stages(ops, splits, monkeypatch, case, dtype):
+    """CHUNKATTN_FINAL_STAGE_TOKENS=32: the final kernel's 32-token instantiation runs (its name
+    in the profiler says so) and gives the reference's results; any other value: the 64-token
+    one. The SIMT emulation runs the same cases on CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    spec, head_size, forced = case
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16, dtype=dtype)
+    b = (random_tree_batch(9, **LONG_TREE, **kw, device="cuda") if spec == "long"
+         else make_batch(spec, seed=9, **kw))
+    plan = plan_of(b)
+    splits(*forced)
+    spare = split_spare_slots(plan, b.query.shape[0], *forced)
+    for knob, tokens in (("32", 32), ("0", 64)):
+        monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", knob)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = run(ops, b, plan, spare_slots=spare)
+            torch.cuda.synchronize()
+        check(b, plan, *got)
+        finals = {e.name for e in prof.events()
+                  if e.device_type == DeviceType.CUDA and "tpp_final_kernel" in e.name}
+        assert finals and all(f", {head_size}, {tokens}>" in n for n in finals), finals
+
+
 @pytest.mark.parametrize("overlap", OVERLAP_OFF_ON)
 @pytest.mark.parametrize("spec", ["single_prefix", "system_prompts", "batch_17"])
 def test_final_launch_overlapped_or_not(ops, splits, monkeypatch, spec, overlap):

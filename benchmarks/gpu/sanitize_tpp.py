@@ -17,15 +17,17 @@ from vllm_chunkattn.plan import TppPlan, build_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
-# (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad):
-# pad True: empty nodes added; "capacity": padded as for a CUDA graph (plan_capacity.py) with the
-# splits left to the op (0, 0), so a padded plan's CTAs choose them (tpp_params.cuh), in the
-# workspace the backend gives graphs.
+# (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad,
+# final stage): pad True: empty nodes added; "capacity": padded as for a CUDA graph
+# (plan_capacity.py) with the splits left to the op (0, 0), so a padded plan's CTAs choose them
+# (tpp_params.cuh), in the workspace the backend gives graphs. Final stage 32: the final launch's
+# compact stage (CHUNKATTN_FINAL_STAGE_TOKENS; 0: the default).
 CASES = [
-    ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False),
-    ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False),
-    ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True),
-    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity"),
+    ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False, 0),
+    ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False, 0),
+    ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True, 0),
+    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", 0),
+    ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, 32),
 ]
 
 
@@ -46,8 +48,9 @@ def main() -> int:
     ops = native_ops(torch.device("cuda"))
     assert ops is not None, "the CUDA kernel is not built"
     failures = 0
-    for i, (spec, hq, hkv, d, bs, dtype, splits, padded) in enumerate(CASES):
+    for i, (spec, hq, hkv, d, bs, dtype, splits, padded, final) in enumerate(CASES):
         os.environ["CHUNKATTN_CHUNK_SPLITS"], os.environ["CHUNKATTN_SEQ_SPLITS"] = map(str, splits)
+        os.environ["CHUNKATTN_FINAL_STAGE_TOKENS"] = str(final)
         b = random_tree_batch(i, **TREE_SPECS[spec], num_heads=hq, num_kv_heads=hkv,
                               head_size=d, block_size=bs, dtype=dtype, device="cuda")
         plan = build_plan(b.block_table.cpu(), b.seq_lens.cpu(), bs)
@@ -77,7 +80,8 @@ def main() -> int:
                                    b.seq_lens, plan.to("cuda"), b.scale)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         ok = not out.isnan().any().item() and err < 2e-2
-        label = "capacity " if padded == "capacity" else "padded " if padded else ""
+        label = ("capacity " if padded == "capacity" else "padded " if padded else "") + (
+            f"final stage {final} " if final else "")
         failures += not ok
         print(f"{spec:15s} heads {hq}/{hkv} d {d} block {bs} {str(dtype)[6:]:8s} splits {splits} "
               f"{label}nodes {plan.num_nodes} partials {plan.num_partials}: "

@@ -32,10 +32,10 @@ struct Smem {
 };
 
 // Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
-template <typename T, int D>
+template <typename T, int D, int TOKENS>
 __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
                                               int t0, int t_end, int kv_head) {
-  using S = TileShape<D>;
+  using S = TileShape<D, TOKENS>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per token row
   const T* key = static_cast<const T*>(p.key);
   const T* value = static_cast<const T*>(p.value);
@@ -110,12 +110,13 @@ __device__ __forceinline__ void merge_listed_slots(const TppParams& p, const Sm&
 }
 
 // Attention of up to 16*WM rows (described in smem row meta) against tokens [t_begin, t_end) of
-// the KV run `ids`, for one kv head. FINAL = false: writes each row's state to its slot.
-// FINAL = true: rows are q heads of sequence `seq`; merges the row's slots and writes out/lse.
-template <typename T, int D, int WM, bool FINAL>
+// the KV run `ids`, for one kv head, in smem stages of TOKENS tokens. FINAL = false: writes each
+// row's state to its slot. FINAL = true: rows are q heads of sequence `seq`; merges the row's
+// slots and writes out/lse.
+template <typename T, int D, int WM, bool FINAL, int TOKENS = TileShape<D>::kTokens>
 __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int* ids, int t_begin,
                             int t_end, int kv_head, int seq) {
-  using S = TileShape<D>;
+  using S = TileShape<D, TOKENS>;
   constexpr int kParts = (kWarps / WM) < S::kMaxParts ? (kWarps / WM) : S::kMaxParts;
   constexpr int kTokW = S::kTokens / kParts;  // tokens of one warp per stage
   constexpr int kLd = S::kLd;
@@ -140,7 +141,7 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
   const int num_stages = (num_tokens + S::kTokens - 1) / S::kTokens;
   constexpr int kStageElems = 2 * S::kTokens * kLd;
   if (num_stages > 0)
-    load_kv_stage<T, D>(p, sm.kv, sm.kv + S::kTokens * kLd, ids, t_begin, t_end, kv_head);
+    load_kv_stage<T, D, TOKENS>(p, sm.kv, sm.kv + S::kTokens * kLd, ids, t_begin, t_end, kv_head);
   cp_async_commit();
 
   float o[D / 8][4];
@@ -152,8 +153,8 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
   for (int it = 0; it < num_stages; ++it) {
     if (it + 1 < num_stages) {
       T* nxt = sm.kv + ((it + 1) % S::kStages) * kStageElems;
-      load_kv_stage<T, D>(p, nxt, nxt + S::kTokens * kLd, ids, t_begin + (it + 1) * S::kTokens,
-                          t_end, kv_head);
+      load_kv_stage<T, D, TOKENS>(p, nxt, nxt + S::kTokens * kLd, ids,
+                                  t_begin + (it + 1) * S::kTokens, t_end, kv_head);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -246,8 +247,10 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     int* list = reinterpret_cast<int*>(reinterpret_cast<char*>(sm.kv) + S::kRedBytes);
     const int chunk_slots = (k1 - k0) * cs.splits, total = chunk_slots + p.seq_splits - 1;
     // Every thread, whatever its warp (the KV stages were last read before the loop's barrier).
-    for (int base = 0; base == 0 || base < total; base += p.slot_list_cap) {
-      const int n = min(p.slot_list_cap, total - base);
+    // As many as the stages hold past the merge buffer: the kernel's own bound, whatever the call.
+    const int cap = p.slot_list_cap > 0 && p.slot_list_cap < S::kSlotListCap ? p.slot_list_cap : S::kSlotListCap;
+    for (int base = 0; base == 0 || base < total; base += cap) {
+      const int n = min(cap, total - base);
       if (base > 0) __syncthreads();  // the last batch is merged
       list_row_slots(p, cs, seq, k0, chunk_slots, base, n, list);
       __syncthreads();

@@ -195,9 +195,13 @@ inline TppParams make_tpp_params(
   p.device_splits = w.device_splits;
   p.num_slots = int(slots);
   p.resident_ctas = int(std::max<int64_t>(1, resident_ctas));
+  // CHUNKATTN_FINAL_STAGE_TOKENS=32 (benchmarks, tests): the final launch's compact stage
+  // (tpp_params.cuh, kCompactFinalTokens); any other value: the default stage.
+  p.final_stage_tokens = env_int("CHUNKATTN_FINAL_STAGE_TOKENS") == kCompactFinalTokens
+                             ? kCompactFinalTokens
+                             : default_stage_tokens(int(s.head_size));
   // CHUNKATTN_SLOT_LIST_CAP (tests): a shorter list, so a row's slots are merged in batches.
-  const int cap = tpp_slot_list_cap(int(s.head_size)), forced_cap = env_int("CHUNKATTN_SLOT_LIST_CAP");
-  p.slot_list_cap = forced_cap > 0 ? std::min(forced_cap, cap) : cap;
+  p.slot_list_cap = std::max(0, env_int("CHUNKATTN_SLOT_LIST_CAP"));
   return p;
 }
 

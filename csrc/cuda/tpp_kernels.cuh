@@ -132,16 +132,28 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) tpp_final_kernel(const TppParams p) {
+// TOKENS: the final launch's smem stage (TppParams::final_stage_tokens, with_final_stage).
+template <typename T, int D, int TOKENS>
+__global__ void __launch_bounds__(kThreads, final_min_ctas(D, TOKENS)) tpp_final_kernel(const TppParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   Smem<T, D> sm(smem_raw, 16);
   const int kv_head = blockIdx.y;
   const int seq = blockIdx.x / p.seq_head_tiles, ht = blockIdx.x % p.seq_head_tiles;
   seq_rows(p, sm.row_q, sm.row_out, seq, kv_head, ht, -1);
   __syncthreads();
-  const TailRange t = tail_range<D>(p, seq, 0, p.seq_splits);
-  attend_tile<T, D, 1, true>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
+  const TailRange t = tail_range<D>(p, seq, 0, p.seq_splits);  // split bounds: the default stage
+  attend_tile<T, D, 1, true, TOKENS>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
+}
+
+// Calls f(std::integral_constant<int, TOKENS>{}) with the final launch's stage size: the one
+// place a call's final_stage_tokens picks a tpp_final_kernel instantiation (the launch and the
+// CPU emulation both go through it).
+template <int D, typename F>
+decltype(auto) with_final_stage(const TppParams& p, F&& f) {
+  constexpr int kDefault = default_stage_tokens(D);
+  if constexpr (kDefault != kCompactFinalTokens)
+    if (p.final_stage_tokens == kCompactFinalTokens) return f(std::integral_constant<int, kCompactFinalTokens>{});
+  return f(std::integral_constant<int, kDefault>{});
 }
 
 // Grids (x; y is num_kv_heads) and dynamic smem of the two launches, all from host ints, so a
@@ -151,9 +163,10 @@ struct TppLaunchShape {
 };
 template <int D>
 inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
-  using S = TileShape<D>;
+  const int final_smem =
+      with_final_stage<D>(p, [](auto tokens) { return TileShape<D, decltype(tokens)::value>::smem_bytes(16); });
   return {p.chunk_ctas + p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles,
-          p.num_seqs * p.seq_head_tiles, tpp_partial_smem_bytes(D), S::smem_bytes(16)};
+          p.num_seqs * p.seq_head_tiles, tpp_partial_smem_bytes(D), final_smem};
 }
 
 #ifndef CHUNKATTN_SIMT_EMULATION
@@ -169,8 +182,9 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
   cudaError_t attr = cudaFuncSetAttribute(tpp_partial_kernel<T, D>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, shape.partial_smem);
   if (attr != cudaSuccess) return attr;
-  attr = cudaFuncSetAttribute(tpp_final_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              shape.final_smem);
+  void (*final_kernel)(TppParams) =
+      with_final_stage<D>(p, [](auto tokens) { return &tpp_final_kernel<T, D, decltype(tokens)::value>; });
+  attr = cudaFuncSetAttribute(final_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape.final_smem);
   if (attr != cudaSuccess) return attr;
   if (shape.partial_grid_x > 0) {
     tpp_partial_kernel<T, D><<<dim3(shape.partial_grid_x, p.num_kv_heads), kThreads, shape.partial_smem,
@@ -189,7 +203,7 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
     cfg.stream = stream;
     cfg.attrs = overlap;
     cfg.numAttrs = overlap_final && shape.partial_grid_x > 0 ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, tpp_final_kernel<T, D>, p);
+    return cudaLaunchKernelEx(&cfg, final_kernel, p);
   }
   return cudaSuccess;
 }

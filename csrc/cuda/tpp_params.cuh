@@ -24,9 +24,13 @@ constexpr int kSeqHeads = 16;          // q heads of a sequence-first CTA: one m
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int D>
+constexpr int default_stage_tokens(int head_size) { return head_size <= 128 ? 64 : 32; }
+
+// TOKENS: KV tokens per smem stage; the partial launch and the tails' split boundaries
+// (tail_range) always use the default, the final launch may use kCompactFinalTokens.
+template <int D, int TOKENS = default_stage_tokens(D)>
 struct TileShape {
-  static constexpr int kTokens = D <= 128 ? 64 : 32;  // KV tokens per smem stage
+  static constexpr int kTokens = TOKENS;
   static constexpr int kLd = D + 8;       // padded smem row: 8 ldmatrix rows hit distinct banks
   static constexpr int kStages = 2;       // cp.async double buffering
   static constexpr int kMaxParts = kTokens / 16;  // a KV part needs >= 16 tokens (one PV k-step)
@@ -51,10 +55,17 @@ constexpr int tpp_partial_smem_bytes(int head_size) {
                             : TileShape<256>::smem_bytes(kMaxRows);
 }
 
-constexpr int tpp_slot_list_cap(int head_size) {
-  return head_size == 64    ? TileShape<64>::kSlotListCap
-         : head_size == 128 ? TileShape<128>::kSlotListCap
-                            : TileShape<256>::kSlotListCap;
+// The final launch's compact stage (CHUNKATTN_FINAL_STAGE_TOKENS=32, tpp_host.h): half the
+// partial launch's 64 tokens at head <= 128, so its smem (40 KB at head 128, from 73 KB) and
+// 128 registers (final_min_ctas, tpp_final_kernel's __launch_bounds__) let 4 CTAs share an
+// SM, not 3. Why: the final launch
+// is 1024 CTAs of one q head at the paper's 32 x 32 heads, 2.6 waves of 396 on an H100, a third
+// of the decode with everything shared and all of it with nothing shared (ncu, 2026-11-26); at
+// 4 an SM they are 1.94 waves. Only half the CTA's warps then split a stage (kMaxParts = 2).
+// Head 256 already stages 32 tokens: the same kernel either way.
+constexpr int kCompactFinalTokens = 32;
+constexpr int final_min_ctas(int head_size, int tokens) {
+  return tokens < default_stage_tokens(head_size) ? 4 : 2;
 }
 
 // The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 128 / 256; the op
@@ -176,8 +187,11 @@ struct TppParams {
   // A plan padded to a graph's capacities (device_splits = 1): chunk_splits = 1 on the host; the
   // CTAs pick the splits from the real plan within num_slots workspace rows (chunk_splits_of).
   int device_splits, num_slots, resident_ctas;
-  // Slots a final CTA lists in smem at a time (TileShape::kSlotListCap; fewer only for tests).
+  // Slots a final CTA lists in smem at a time, if fewer than its stage's TileShape::kSlotListCap
+  // (tests); 0: as many as that holds.
   int slot_list_cap;
+  // KV tokens of the final launch's smem stage: default_stage_tokens, or kCompactFinalTokens.
+  int final_stage_tokens;
 };
 
 // The chunk-first splits a launch runs, the partial count its slots are laid out by (split s of

@@ -24,6 +24,9 @@ simt::GlobalRange bytes_of(const at::Tensor& t) {
   return {t.data_ptr(), t.numel() == 0 ? 0 : (last + 1) * int64_t(t.element_size())};
 }
 
+// The last emulated call's launches (tests: which final kernel ran, in how much smem).
+TppLaunchShape g_last_launch{};
+
 // The final launch as the GPU may run it beside the partial one (overlap_final): each final CTA
 // finds the workspace's slots NaN until it waits for the partial grid, then their real values.
 // `workspace`: the byte ranges of partial_o / m / l.
@@ -31,6 +34,7 @@ template <typename T, int D>
 void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, const simt::LaunchOptions& o,
              const std::vector<simt::GlobalRange>& workspace) {
   const TppLaunchShape shape = tpp_launch_shape<D>(p);
+  g_last_launch = shape;
   if (shape.partial_grid_x > 0)
     simt::launch(shape.partial_grid_x, p.num_kv_heads, kThreads, shape.partial_smem,
                  [&p] { tpp_partial_kernel<T, D>(p); }, globals, o);
@@ -46,8 +50,10 @@ void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, 
       for (size_t i = 0; i < workspace.size(); ++i)
         std::memcpy(const_cast<void*>(workspace[i].begin), written[i].data(), workspace[i].bytes);
     };
-    simt::launch(shape.final_grid_x, p.num_kv_heads, kThreads, shape.final_smem, [&p] { tpp_final_kernel<T, D>(p); },
-                 globals, dependent);
+    with_final_stage<D>(p, [&](auto tokens) {
+      simt::launch(shape.final_grid_x, p.num_kv_heads, kThreads, shape.final_smem,
+                   [&p] { tpp_final_kernel<T, D, decltype(tokens)::value>(p); }, globals, dependent);
+    });
     dependent.primary_grid_done();  // the workspace as the partial launch left it
   }
 }
@@ -89,6 +95,12 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   });
 }
 
+// [partial grid x, final grid x, partial smem, final smem] of the last tpp_decode call.
+std::vector<int64_t> last_launch() {
+  const TppLaunchShape& l = g_last_launch;
+  return {l.partial_grid_x, l.final_grid_x, l.partial_smem, l.final_smem};
+}
+
 // The kernel's shared memory per head size, for the test of vllm_chunkattn/ops/cuda_fit.py's copy.
 int64_t partial_smem_bytes(int64_t head_size) { return tpp_partial_smem_bytes(int(head_size)); }
 
@@ -119,6 +131,7 @@ TORCH_LIBRARY(chunkattn_simt, m) {
   m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ", int resident_ctas, int seed, bool cp_async_lands_at_issue) -> ()");
   // No tensors: catch-all kernels.
   m.def("partial_smem_bytes(int head_size) -> int", &chunkattn::partial_smem_bytes);
+  m.def("last_launch() -> int[]", &chunkattn::last_launch);
   m.def("tpp_work(int num_seqs, int num_heads, int num_kv_heads, int block_size, int num_nodes, int num_partials, "
         "int node_blocks, int table_width, int slots, int resident_ctas) -> int[]",
         &chunkattn::tpp_work);

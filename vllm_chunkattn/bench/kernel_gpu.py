@@ -78,6 +78,12 @@ SWEEP_SPLITS = (1, 4, 6, 7, 8, 9, 12, 16)
 TAIL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=0"), ("llama8b", "b=32 nothing shared, S=1024"),
                      ("llama8b", "b=128 nothing shared, S=1024"), ("smoke", "b=4 nothing shared")}
 TAIL_SPLITS = (1, 2, 3, 4, 6, 9)
+# Points where ours is also timed with the final launch's compact stage (CHUNKATTN_FINAL_STAGE_
+# TOKENS=32: 4 CTAs an SM instead of 3, csrc/cuda/tpp_params.cuh) against the default (64): the
+# paper point's two latency-bound final launches and the served shape (Llama-3-8B, b = 128).
+FINAL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("paper", "n_p=4096 n_s=0"),
+                      ("llama8b", "b=128 P=2048 S=128"), ("smoke", "b=4 P=64 S=20")}
+FINAL_STAGES = (64, 32)
 
 
 def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
@@ -101,11 +107,13 @@ def chunk_first_kernel_us(fn, timer: Timer, reps: int) -> tuple[float, str]:
     return statistics.median(times), ""
 
 
-def variants_of_ours(bt, plan, fns: dict, sweep: bool, tail_sweep: bool = False) -> dict:
+def variants_of_ours(bt, plan, fns: dict, sweep: bool, tail_sweep: bool = False,
+                     final_sweep: bool = False) -> dict:
     """Our op under knobs, timed side by side with the contenders: "ours_serial" (CUDA: the
     final launch after the partial one), at a sweep point "splits_<k>" for each of SWEEP_SPLITS
-    chunk-first KV splits, in a workspace with room for the most, and at a tail sweep point
-    "tails_<k>" for each of TAIL_SPLITS private-tail KV splits."""
+    chunk-first KV splits, in a workspace with room for the most, at a tail sweep point
+    "tails_<k>" for each of TAIL_SPLITS private-tail KV splits, and at a final sweep point
+    "final_<k>" for each of FINAL_STAGES final-launch stage sizes."""
     variants = {}
     if "ours" in fns and bt.query.device.type == "cuda":
         variants["ours_serial"] = Variant(fns["ours"], {"CHUNKATTN_OVERLAP_FINAL": 0})
@@ -116,6 +124,9 @@ def variants_of_ours(bt, plan, fns: dict, sweep: bool, tail_sweep: bool = False)
     if tail_sweep and "ours" in fns:
         variants.update({f"tails_{k}": Variant(fns["ours"], {"CHUNKATTN_SEQ_SPLITS": k})
                          for k in TAIL_SPLITS})
+    if final_sweep and "ours" in fns:
+        variants.update({f"final_{k}": Variant(fns["ours"], {"CHUNKATTN_FINAL_STAGE_TOKENS": k})
+                         for k in FINAL_STAGES})
     return variants
 
 
@@ -196,7 +207,8 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     fns, missing = make_contenders(bt, plan, levels, bs, device, fi_why, fi_broken)
     variants = variants_of_ours(bt, plan, fns,
                                 sweep=(point.grid, point.label) in SPLIT_SWEEP_POINTS,
-                                tail_sweep=(point.grid, point.label) in TAIL_SWEEP_POINTS)
+                                tail_sweep=(point.grid, point.label) in TAIL_SWEEP_POINTS,
+                                final_sweep=(point.grid, point.label) in FINAL_SWEEP_POINTS)
     fns.update(variants)
     ours_names = set(OURS) | set(variants)
     expect = tpp_decode_reference(bt.query, bt.key_cache, bt.value_cache, bt.block_table,
@@ -250,7 +262,8 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     notes = [f"{k}: {v}" for k, v in missing.items()
              if not v.startswith(("CUDA only", "not timed"))]
     for column, name, counts in (("split_sweep_us", "splits", SWEEP_SPLITS),
-                                 ("tail_sweep_us", "tails", TAIL_SPLITS)):
+                                 ("tail_sweep_us", "tails", TAIL_SPLITS),
+                                 ("final_sweep_us", "final", FINAL_STAGES)):
         row[column] = "; ".join(f"{k}: {timed[f'{name}_{k}'] * 1e3:.1f}"
                                 for k in counts if f"{name}_{k}" in timed)
     row["notes"] = "; ".join(notes + ([why] if why and flops else []))
