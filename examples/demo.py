@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vllm_chunkattn.bench.ab import STATS_INTERVAL_S
-from vllm_chunkattn.bench.server_client import MetricsSampler, kv_capacity_tokens
+from vllm_chunkattn.bench.serve_steps import peak_kv_usage_pct
+from vllm_chunkattn.bench.server_client import kv_capacity_tokens
 from vllm_chunkattn.serve import ServerError, ServerProcess
 from vllm_chunkattn.tiny_model import _WORDS, ensure_tiny_model
 
@@ -54,22 +55,19 @@ def complete(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 def serve_and_ask(name: str, model: str, flags: list[str], prompts: list[str], max_tokens: int,
-                  port: int | None, env: dict) -> dict:
+                  port: int | None, env: dict, log: Path) -> dict:
     """Starts one server, sends every prompt at once, stops it. Decode tok/s = tokens after each
-    request's first / (last token of any request - first token of any request)."""
+    request's first / (last token of any request - first token of any request); peak KV = the
+    highest usage of any step in the server's log (--enable-logging-iteration-details: /metrics
+    samples every 0.2 s missed a run this short, and showed 0 for either system)."""
     print(f"starting vLLM ({name}) on {model} ...", flush=True)
-    with ServerProcess(model, flags, port=port, env=env) as server:
+    with ServerProcess(model, flags, port=port, env=env, log_path=log) as server:
         banner = [ln for ln in server.lines if "ChunkAttention backend" in ln]
         if banner:
             print("  server:", banner[-1].split("] ", 1)[-1])
         capacity = kv_capacity_tokens(server.url)
-        sampler = MetricsSampler(server, cap_s=600)
-        sampler.start()
-        try:
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                results = list(pool.map(lambda q: complete(server.url, q, max_tokens), prompts))
-        finally:
-            sampler.stop()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda q: complete(server.url, q, max_tokens), prompts))
         if "CHUNKATTN_STATS_FILE" in env:
             # The worker writes its counters at most once a second (every step would slow the
             # very decode we measure): one more short request after a quiet second flushes them.
@@ -77,8 +75,9 @@ def serve_and_ask(name: str, model: str, flags: list[str], prompts: list[str], m
             complete(server.url, "a", 2)
     span = max(r["last"] for r in results) - min(r["first"] for r in results)
     decoded = sum(len(r["token_ids"]) - 1 for r in results)
+    peak = peak_kv_usage_pct(log.read_text(errors="replace"))    # the server has stopped
     return {"results": results, "decode_tok_s": decoded / span if span > 0 else float("nan"),
-            "peak_kv_tokens": round(sampler.peak["vllm:kv_cache_usage_perc"] * capacity)}
+            "peak_kv_tokens": round(peak / 100 * capacity) if peak == peak else -1}
 
 
 def main(argv=None) -> int:
@@ -100,17 +99,21 @@ def main(argv=None) -> int:
                                                        for _ in range(args.system_words))
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
     prompts = [f"{system} question {q}" for q in questions]
-    stats_file = Path(tempfile.mkdtemp(prefix="chunkattn-demo-")) / "sharing.json"
+    work = Path(tempfile.mkdtemp(prefix="chunkattn-demo-"))
+    stats_file = work / "sharing.json"
+    # 64 MiB of KV: 16K tokens in fp32, so the step log's 0.1 % is 16 tokens.
     common = ["--served-model-name", "tiny", "--dtype", args.dtype, "--block-size", "64",
-              "--max-model-len", "4096", "--kv-cache-memory-bytes", str(1 << 30),
-              "--enforce-eager"]
+              "--max-model-len", "4096", "--kv-cache-memory-bytes", str(64 << 20),
+              "--enforce-eager", "--enable-logging-iteration-details"]
     try:
-        stock = serve_and_ask("stock", model, common, prompts, args.max_tokens, args.port, {})
+        stock = serve_and_ask("stock", model, common, prompts, args.max_tokens, args.port, {},
+                              work / "stock.log")
         custom = serve_and_ask("--attention-backend CUSTOM", model,
                                common + ["--attention-backend", "CUSTOM"], prompts,
                                args.max_tokens, args.port,
                                {"CHUNKATTN_STATS_FILE": str(stats_file),
-                                "CHUNKATTN_STATS_INTERVAL_S": str(STATS_INTERVAL_S)})
+                                "CHUNKATTN_STATS_INTERVAL_S": str(STATS_INTERVAL_S)},
+                               work / "custom.log")
     except ServerError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
@@ -129,8 +132,10 @@ def report(args, questions, stock: dict, custom: dict, stats: dict) -> None:
     print("\n                        stock      CUSTOM")
     print(f"  decode tok/s      {stock['decode_tok_s']:10.0f}  {custom['decode_tok_s']:10.0f}"
           f"   ({custom['decode_tok_s'] / stock['decode_tok_s']:.2f}x)")
-    print(f"  peak KV tokens    {stock['peak_kv_tokens']:10d}  {custom['peak_kv_tokens']:10d}"
-          "   (stock's prefix caching shares the prompt's blocks too)")
+    kv = [f"{r['peak_kv_tokens']:10d}" if r["peak_kv_tokens"] >= 0 else f"{'(no log)':>10}"
+          for r in (stock, custom)]
+    print(f"  peak KV tokens    {kv[0]}  {kv[1]}"
+          "   (any step's; stock's prefix caching shares the prompt's blocks too)")
     print(f"  same token ids    {args.requests - differ} of {args.requests} requests"
           + ("" if not differ else f"  <- {differ} differ: report this"))
     print(f"\nCUSTOM's decode: {stats['decode_steps']} steps; {100 * share:.1f}% of the KV tokens "

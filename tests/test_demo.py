@@ -23,3 +23,8 @@ def test_demo_ab_screen_same_tokens_native_kernel():
     assert "same token ids    4 of 4 requests\n" in out, out
     tok_s = [line.split()[2:4] for line in out.splitlines() if line.startswith("  decode tok/s")]
     assert tok_s and all(float(x) > 0 for x in tok_s[0]), out
+    # Peak KV of any step (vLLM's step log): both hold the shared prompt, neither can be 0 (the
+    # 0.2 s /metrics samples it replaced printed 0 for a run this short), CUSTOM no more than
+    # stock with prefix caching.
+    kv = [line.split()[3:5] for line in out.splitlines() if line.startswith("  peak KV tokens")]
+    assert kv and 0 < int(kv[0][1]) <= int(kv[0][0]), out

@@ -49,6 +49,11 @@ def test_steps_are_the_lines_between_a_workloads_marks():
     assert max(s.kv_usage_pct for s in got["prefix1x2k_c128"]) == 2.5   # not 9.9 nor 0.1
 
 
+def test_peak_kv_usage_over_every_step_line_marks_or_not():
+    assert serve_steps.peak_kv_usage_pct(LOG) == 9.9                # the line between workloads
+    assert math.isnan(serve_steps.peak_kv_usage_pct(_mark("random", "start")))
+
+
 def test_step_stats_worked_by_hand():
     steps = serve_steps.workload_steps(LOG)["prefix1x2k_c128"]
     got = serve_steps.step_stats(steps, duration_s=3.0, capacity_tokens=400_000)

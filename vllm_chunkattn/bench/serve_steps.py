@@ -56,6 +56,11 @@ def workload_steps(server_log: str) -> dict[str, list[Step]]:
     return out
 
 
+def peak_kv_usage_pct(server_log: str) -> float:
+    """The highest KV usage (% of the cache) of any step the log has, marks or not; nan if none."""
+    return max((float(m.group(6)) for m in ITERATION.finditer(server_log)), default=math.nan)
+
+
 def step_stats(steps: list[Step], duration_s: float, capacity_tokens: int) -> dict:
     """A workload's step numbers (nan without steps): `steps`; `mean_step_ms` = the benchmark's
     duration / its steps; `decode_wait_ms` = the median wait for the result of a decode-only step
