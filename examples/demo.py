@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -77,7 +78,7 @@ def serve_and_ask(name: str, model: str, flags: list[str], prompts: list[str], m
     decoded = sum(len(r["token_ids"]) - 1 for r in results)
     peak = peak_kv_usage_pct(log.read_text(errors="replace"))    # the server has stopped
     return {"results": results, "decode_tok_s": decoded / span if span > 0 else float("nan"),
-            "peak_kv_tokens": round(peak / 100 * capacity) if peak == peak else -1}
+            "peak_kv_tokens": None if math.isnan(peak) else round(peak / 100 * capacity)}
 
 
 def main(argv=None) -> int:
@@ -136,7 +137,7 @@ def report(args, questions, stock: dict, custom: dict, stats: dict) -> None:
     print("\n                        stock      CUSTOM")
     print(f"  decode tok/s      {stock['decode_tok_s']:10.0f}  {custom['decode_tok_s']:10.0f}"
           f"   ({custom['decode_tok_s'] / stock['decode_tok_s']:.2f}x)")
-    kv = [f"{r['peak_kv_tokens']:10d}" if r["peak_kv_tokens"] >= 0 else f"{'(no log)':>10}"
+    kv = [f"{'(no log)':>10}" if r["peak_kv_tokens"] is None else f"{r['peak_kv_tokens']:10d}"
           for r in (stock, custom)]
     print(f"  peak KV tokens    {kv[0]}  {kv[1]}"
           "   (any step's; stock's prefix caching shares the prompt's blocks too)")

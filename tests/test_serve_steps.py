@@ -78,10 +78,11 @@ def test_section_judges_kv_on_step_peaks_only_where_both_logged():
             dict(row, system="custom", workload="a", step_peak_kv_tokens=9_500, decode_wait_ms=1.5),
             dict(row, system="stock", workload="b", step_peak_kv_tokens=8_000),
             dict(row, system="custom", workload="b", step_peak_kv_tokens=nan, steps=nan)]
-    md = serve_steps.steps_section(rows, ["stock", "custom"])
+    md = serve_steps.steps_section(rows, ["stock", "custom"], 0.0)
     assert "| a | 6 | 6 | 500.00 | 500.00 | 11.00 | 1.50 | 10,000 (100.0 %) | 9,500 (95.0 %) |" in md
     assert "| b | 6 | – |" in md
-    assert "worst over the workloads both logged: **-5.0 %** (a; goal ≤ +0 %): met" in md
+    assert ("- peak KV per step custom vs stock (prefix caching on), worst over 1 workloads: "
+            "**-5.0 %** (a; goal ≤ +0 %): met") in md
     rows[1]["step_peak_kv_tokens"] = 10_300
-    assert "**+3.0 %** (a; goal ≤ +0 %): NOT met" in serve_steps.steps_section(rows, ["stock", "custom"])
-    assert serve_steps.steps_section([dict(r, steps=nan) for r in rows], ["stock", "custom"]) == ""
+    assert "**+3.0 %** (a; goal ≤ +0 %): NOT met" in serve_steps.steps_section(rows, ["stock", "custom"], 0.0)
+    assert serve_steps.steps_section([dict(r, steps=nan) for r in rows], ["stock", "custom"], 0.0) == ""

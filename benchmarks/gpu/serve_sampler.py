@@ -26,7 +26,8 @@ PERIOD_S = 0.25
 
 
 def metric_lines(text: str) -> list[tuple[str, str]]:
-    """(name, value) of the KV metrics in a /metrics page (labels dropped)."""
+    """(name, value) of the KV metrics in a /metrics page (labels dropped). Not
+    bench/server_client.scrape: importing vllm_chunkattn loads torch, seconds of device time."""
     return [(line.split("{")[0].split()[0], line.split()[-1]) for line in text.splitlines()
             if line.startswith(KV_METRICS)]
 
@@ -89,11 +90,13 @@ def sample_forever(url: str, work: str, server_pid: int, period_s: float = PERIO
                 text = urllib.request.urlopen(url, timeout=2).read().decode()
                 with open(os.path.join(work, "current")) as f:
                     workload = f.read().strip()
-                if core is None and (core := engine_core(server)) is not None:
-                    core.cpu_percent(None)
-                    core_cpu = None      # its first interval starts now
+                if core is None:         # not found yet: its first interval starts once it is
+                    core = engine_core(server)
+                    if core is not None:
+                        core.cpu_percent(None)
+                    core_cpu = None
                 else:
-                    core_cpu = core.cpu_percent(None) if core is not None else None
+                    core_cpu = core.cpu_percent(None)
                 values = [*metric_lines(text), ("api_server_cpu_pct", f"{server.cpu_percent(None):.1f}")]
                 if core_cpu is not None:
                     values.append(("engine_core_cpu_pct", f"{core_cpu:.1f}"))

@@ -268,8 +268,7 @@ def kv_bound_section(rows: list[dict], systems: list[str]) -> str:
         if math.isnan(bound):
             continue
         body.append([w, ab_report._f(bound, 0), *(
-            "–" if (s, w) not in idx else
-            f"{idx[(s, w)]['peak_kv_tokens']:,} ({100 * idx[(s, w)]['peak_kv_tokens'] / bound:.1f} %)"
+            "–" if (s, w) not in idx else serve_steps.of_bound(idx[(s, w)]["peak_kv_tokens"], bound)
             for s in systems)])
     if not body:
         return ""
@@ -348,7 +347,7 @@ def main(argv=None) -> int:
     paths = ab_report.write(rows, setup, a.out, a.tag)
     with open(a.out / f"ab_{a.tag}.md", "a") as f:
         f.write(streaming_section(rows, systems) + kv_bound_section(rows, systems)
-                + serve_steps.steps_section(rows, systems))
+                + serve_steps.steps_section(rows, systems, GPU_GOALS["kv_vs_stock"]))
     print("serve_ab_report:", ", ".join(str(p) for p in [a.out / f"ab_{a.tag}_rounds.csv", *paths]))
     return 0
 
