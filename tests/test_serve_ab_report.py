@@ -301,3 +301,36 @@ def test_the_kv_bound_section_sets_each_systems_sample_beside_it():
     assert "| random | 1,000 | 900 (90.0 %) | 990 (99.0 %) |" in md
     rows = [dict(r, kv_bound_tokens=math.nan) for r in rows]           # no bound: no section
     assert serve_ab_report.kv_bound_section(rows, ["stock", "custom"]) == ""
+
+
+def test_a_pair_calls_two_rounds_on_one_server_each_read_their_own_runs(tmp_path):
+    """`serve_ab.sh pair` runs rounds 3 and 4 of a system on one server: one log and one sampler
+    for both, the runs named random-r3 and random-r4 in the marks and samples. Each round's rows
+    come from its own run: round 3's steps peak at 20.0 % and its samples at 0.15, round 4's at
+    40.0 % and 0.35 (x 100,000 tokens of capacity)."""
+    step = ("(APIServer pid=1) INFO 11-27 01:00:00 [loggers.py:199] Engine 000: Iteration(9): 0 "
+            "context requests, 0 context tokens, 2 generation requests, 2 generation tokens, "
+            "iteration elapsed time: {ms:.2f} ms, GPU KV cache usage: {kv:.1f}%")
+    mark = 'INFO:     127.0.0.1:1 - "GET /health?serve_ab=random-r{r}.{edge} HTTP/1.1" 200 OK'
+    log = "\n".join([f"INFO GPU KV cache size: {CAPACITY:,} tokens",
+                     mark.format(r=3, edge="start"), step.format(ms=5, kv=10), step.format(ms=7, kv=20),
+                     mark.format(r=3, edge="end"),
+                     mark.format(r=4, edge="start"), step.format(ms=9, kv=40), mark.format(r=4, edge="end")])
+    kv = ["1.0 random-r3 vllm:kv_cache_usage_perc 0.15", "1.1 random-r3 gpu_busy_pct 50",
+          "2.0 random-r4 vllm:kv_cache_usage_perc 0.35", "2.1 random-r4 gpu_busy_pct 90"]
+    res = {"num_prompts": 2, "completed": 2, "failed": 0, "duration": 3.0,
+           "output_throughput": 100.0, "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5],
+           "output_lens": [256, 256], "itls": [[0.01] * 255] * 2, "start_times": [0.0, 0.0]}
+    rows = {}
+    for rnd in (3, 4):
+        run = tmp_path / f"custom-r{rnd}"
+        run.mkdir()
+        (run / "random.json").write_text(json.dumps(res))
+        (run / "kv.tsv").write_text("\n".join(kv) + "\n")      # the server's: both rounds
+        [rows[rnd]] = serve_ab_report.read_run(run, "custom", rnd, log)
+    assert rows[3]["workload"] == rows[4]["workload"] == "random"
+    assert (rows[3]["steps"], rows[4]["steps"]) == (2, 1)
+    assert (rows[3]["step_peak_kv_tokens"], rows[4]["step_peak_kv_tokens"]) == (20_000, 40_000)
+    assert (rows[3]["peak_kv_tokens"], rows[4]["peak_kv_tokens"]) == (15_000, 35_000)
+    assert (rows[3]["gpu_busy_pct"], rows[4]["gpu_busy_pct"]) == (50, 90)
+    assert serve_ab_report.run_name("random", 5, {"random-r3", "random-r4"}) == "random"

@@ -4,6 +4,7 @@ earlier call left running, serves on a port of its own, runs the workloads that 
 reports them, and leaves no process behind. About 2 minutes (one vLLM server start)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from vllm_chunkattn.bench import serve_ab_report, serve_steps
 from vllm_runs import GPU_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +113,62 @@ def test_serve_ab_script_on_cpu(tmp_path):
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
 
 
+@pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
+                    "tiny model")
+def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
+    """`serve_ab.sh pair`: both servers start at once (each with the fixed KV pool given), then
+    each workload runs stock, custom, custom, stock as rounds 5 and 6; every round gets its own
+    summary, results and server log, and reads only its own runs from the shared server's log.
+    No prompt of a round is served from a prefix cached before it (the warm-up's, or the other
+    round's): each run's prefill computes all its prompt tokens. About 3 minutes."""
+    pytest.importorskip("vllm")
+    vllm = tmp_path / "vllm"
+    vllm.write_text(VLLM_STAND_IN)
+    vllm.chmod(0o755)
+    budget_s = 540
+    out = tmp_path / "out"
+    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
+           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(out),
+           "BUDGET_S": str(budget_s), "GUESS_S": "1", "ROUND": "5",
+           "PAIR_KV_BYTES": str(256 << 20), **GPU_DEFAULTS}
+    env.pop("PORT", None)
+    env.pop("EXTRA_SERVER_ARGS", None)
+    r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=budget_s + 60)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log
+    assert log.count(f"--kv-cache-memory-bytes {256 << 20}") == 2, log
+    runs = re.findall(r"^(stock|custom)-r(\d) (\w+): rc=0 in ", log, re.M)
+    assert sorted(runs[:2]) == [("custom", "5", "warmup"), ("stock", "5", "warmup")], log  # at once
+    assert runs[2:] == [("stock", "5", "random"), ("custom", "5", "random"),
+                        ("custom", "6", "random"), ("stock", "6", "random")], log
+    # one start each, both before the first run
+    assert log.count("stock server up") == log.count("custom server up") == 1
+    assert max(log.index("stock server up"), log.index("custom server up")) < log.index("stock-r5 warmup")
+    for tag in ("stock-r5", "custom-r5", "custom-r6", "stock-r6"):
+        summary = (out / f"summary_{tag}.md").read_text()
+        [row] = [line for line in summary.splitlines() if line.startswith("| random ")]
+        assert row.split("|")[2].strip() == "4", summary            # all 4 requests completed
+        assert ("kernel=native-cpu" in summary) == tag.startswith("custom"), summary
+        server_log = (out / f"server_{tag}.log").read_text()
+        steps = serve_steps.workload_steps(server_log)
+        with tarfile.open(out / f"results_{tag}.tar.gz") as t:
+            res = json.load(t.extractfile("./random.json"))
+            seed = re.search(r"seed=(\d+)", t.extractfile("./random.log").read().decode()).group(1)
+        assert seed == str(int(tag[-1]) - 5), tag
+        # the steps between this round's marks computed every prompt token
+        mine = steps[f"random-r{tag[-1]}"]
+        assert sum(s.context_tokens for s in mine) == sum(res["input_lens"]) > 0, tag
+        assert serve_steps.step_stats(mine, res["duration"], 1)["steps"] == len(mine)
+    assert not (out / "server_stock.log").exists() and not (out / "server_custom.log").exists()
+    # the report over the call: two rounds per system, combined
+    assert serve_ab_report.main([str(out), "--tag", "pair", "--out", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "ab_pair.md").read_text()
+    assert "rounds per system: stock 2, custom 2" in md, md
+    time.sleep(1)
+    assert _with_model(psutil.process_iter()) == [], log
+
+
 def test_a_budget_too_short_for_a_server_start_starts_nothing(tmp_path):
     # Stock's round 2 on the H100: BUDGET_S=200, its server up after 144 s, no workload run.
     env = {**os.environ, "BUDGET_S": "200", "OUT": str(tmp_path / "out"), "VLLM": "false"}
@@ -123,4 +181,9 @@ def test_a_budget_too_short_for_a_server_start_starts_nothing(tmp_path):
     env["MIN_BUDGET_S"] = "200"                                     # the floor is a knob
     r = subprocess.run(["bash", str(SCRIPT), "bogus"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 2 and "stock or custom" in r.stderr
+    assert r.returncode == 2 and "stock, custom or pair" in r.stderr
+    env.pop("MIN_BUDGET_S")                                         # a pair's floor: 360 s
+    env["BUDGET_S"] = "300"
+    r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and "under MIN_BUDGET_S=360" in r.stderr, r.stderr

@@ -1,40 +1,54 @@
 #!/usr/bin/env bash
-# Issue #10 on the lent GPU, one system per device call (README.md, "vLLM serve A/B"): `vllm serve`
-# stock or with --attention-backend CUSTOM on the Llama-3-8B shape (dummy bf16 weights), then
-# `vllm bench serve` over the issue's workloads, KV usage sampled from /metrics meanwhile.
-#   bash benchmarks/gpu/serve_ab.sh stock|custom [WORKLOAD ...]   # default: all, in this order:
-#     random prefix1x2k prefix1x2k_c128 prefix1x2k_c256 prefix4x2k n8x1k tree
-# Needs `install_bundle.sh install` done on this warm machine. $OUT gets summary_<tag>.md,
-# server_<tag>.log and results_<tag>.tar.gz (bench JSONs, bench logs, KV samples); tag =
-# <system>-r<ROUND> (ROUND=1 by default; ABBA: stock r1, custom r1, custom r2, stock r2).
+# Issue #10 on the lent GPU (README.md, "vLLM serve A/B"): `vllm serve` stock and/or with
+# --attention-backend CUSTOM on the Llama-3-8B shape (dummy bf16 weights), then `vllm bench serve`
+# over the issue's workloads, KV usage and load sampled from /metrics and NVML meanwhile.
+#   bash benchmarks/gpu/serve_ab.sh stock|custom [WORKLOAD ...]   # one system, round ROUND
+#   bash benchmarks/gpu/serve_ab.sh pair [WORKLOAD ...]           # both, ABBA, in one call
+# WORKLOADs default to all, in this order: random prefix1x2k prefix1x2k_c128 prefix1x2k_c256
+# prefix4x2k n8x1k tree. `pair` starts both servers at once (each with a fixed KV pool,
+# PAIR_KV_BYTES, so both fit on one GPU), then runs each workload stock, custom, custom, stock:
+# rounds ROUND and ROUND+1 of each system, the second with --seed 1 (other prompts, so no prefix
+# cached by the first round serves it). One server start per system instead of one per round:
+# a start is 95-145 s of device time on an H100.
+# Needs `install_bundle.sh install` done on this warm machine. $OUT gets, per round,
+# summary_<tag>.md, server_<tag>.log and results_<tag>.tar.gz (bench JSONs, bench logs, load
+# samples); tag = <system>-r<round> (ROUND=1 by default).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-SYSTEM=${1:?stock or custom}; shift
-[ "$SYSTEM" = stock ] || [ "$SYSTEM" = custom ] || { echo "system: stock or custom" >&2; exit 2; }
+MODE=${1:?stock, custom or pair}; shift
+case $MODE in
+  stock|custom) SYSTEMS=("$MODE") ;;
+  pair) SYSTEMS=(stock custom) ;;
+  *) echo "system: stock, custom or pair" >&2; exit 2 ;;
+esac
 WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k prefix1x2k_c128 prefix1x2k_c256 prefix4x2k n8x1k tree)
 BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
-STOP_S=45                                    # kept for stopping the server (<= 30 s) and the report
+STOP_S=45                                    # kept for stopping the servers (<= 30 s) and the report
+[ "$MODE" = pair ] && STOP_S=60              # (four rounds' reports)
 # A server takes 95-145 s to start on an H100 (2026-11-26), a workload 30-60 s: under MIN_BUDGET_S
-# no workload would run (stock's round 2 spent 158 device seconds so), so none is started.
-MIN_BUDGET_S=${MIN_BUDGET_S:-240}
+# no workload would run (stock's round 2 spent 158 device seconds so), so none is started. A pair
+# runs a workload 4 times.
+[ "$MODE" = pair ] && MIN_DEFAULT=360 || MIN_DEFAULT=240
+MIN_BUDGET_S=${MIN_BUDGET_S:-$MIN_DEFAULT}
 [ "$BUDGET_S" -ge "$MIN_BUDGET_S" ] || {
   echo "BUDGET_S=$BUDGET_S is under MIN_BUDGET_S=$MIN_BUDGET_S (server start ~150 s + a workload + stop):" \
-       "$SYSTEM not started" >&2; exit 3; }
-TAG=$SYSTEM-r${ROUND:-1}
+       "$MODE not started" >&2; exit 3; }
+R=${ROUND:-1}
 OUT=${OUT:-/tmp/serve_ab_out}; mkdir -p "$OUT"
-WORK=/tmp/serve_ab/$TAG; rm -rf "$WORK"; mkdir -p "$WORK"
 MODEL=${MODEL:-/tmp/models/llama-3-8b}
 VLLM=${VLLM:-vllm}                           # the CLI (a wrapper for a CPU dry run)
 N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
+# A pair's KV pools: 18 GiB each (147,456 tokens of the 8B shape; prefix1x2k_c256 holds at most
+# 108,544): two servers of 15 GiB weights + ~3 GiB activations and graphs + that fit an H100's
+# 79 GiB. --gpu-memory-utilization is then only vLLM's start-up check that this much is free,
+# which the second server must pass beside the first.
+PAIR_KV_BYTES=${PAIR_KV_BYTES:-$((18 << 30))}
+PAIR_GPU_UTIL=${PAIR_GPU_UTIL:-0.40}
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
 bash benchmarks/gpu/detached_bench.sh wait   # vLLM reserves most of the GPU: not beside a bench
 export PYTHONUNBUFFERED=1
 
 PY=${PYTHON:-python3}                        # the image's python (torch, transformers)
-# A fresh port per call: a server left by an earlier call can never answer for this one.
-PORT=${PORT:-$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])')}
-URL=http://127.0.0.1:$PORT
 [ -f "$MODEL/config.json" ] || $PY -m vllm_chunkattn.model_shapes --out /tmp/models llama-3-8b
 TREE=/tmp/models/tree_1024_4x512_16.jsonl    # system 1024 -> 4 documents of 512 -> 16 questions
 mkdir -p /tmp/models
@@ -79,23 +93,11 @@ workload() {
   esac
 }
 
-# --enable-logging-iteration-details: vLLM logs every step's batch, KV usage and wait for the
-# GPU (bench/serve_steps.py reads them between bench()'s marks), for both systems alike.
-server_args=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port "$PORT"
-             --gpu-memory-utilization 0.90 --enable-logging-iteration-details)
-[ "$SYSTEM" = custom ] && server_args+=(--attention-backend CUSTOM)
-# e.g. EXTRA_SERVER_ARGS='--compilation-config {"cudagraph_mode":"PIECEWISE"}' to take attention
-# out of the decode graphs if FULL graphs misbehave (word-split: no spaces inside the JSON).
-# shellcheck disable=SC2206
-server_args+=(${EXTRA_SERVER_ARGS:-})
-echo "== $TAG: vllm serve $MODEL ${server_args[*]}"
-# For the report (python -m vllm_chunkattn.bench.serve_ab_report): the command and the GPU.
-echo "vllm serve $MODEL ${server_args[*]}" > "$WORK/server_cmd.txt"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$WORK/gpu.txt" 2> /dev/null
 up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-       "${1:-$URL/health}" 2> /dev/null; }      # no curl needed on the image
-# A workload's edges in the server log (its access log line, in order with the step lines).
-mark() { up "$URL/health?serve_ab=$1.$2" || true; }
+       "$1" 2> /dev/null; }                  # no curl needed on the image
+free_port() {   # a fresh port per server: one left by an earlier call can never answer for this
+  $PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
 stop() {   # $1: our server's pid: SIGINT (vLLM's clean shutdown), then SIGKILL after 30 s for
            # what is left of its process tree (the engine core too); "leftover": an earlier
            # call's server or client, killed at once (a server still starting ignores SIGINT)
@@ -126,34 +128,73 @@ PY
 }
 # A server (or client) left by an earlier call cut at its time limit would hold GPU memory.
 stop leftover
+
+# Per system: its server's URL, pid, log, and a folder for what is the server's, not a round's
+# (the sampler's kv.tsv, `current`: the mark of the run in flight, sharing counters' JSON).
+declare -A URL SERVER LOG HOME_DIR
+# --enable-logging-iteration-details: vLLM logs every step's batch, KV usage and wait for the
+# GPU (bench/serve_steps.py reads them between bench()'s marks), for both systems alike.
+start_server() {
+  local s=$1 port args
+  port=${PORT:-$(free_port)}; unset PORT     # PORT: the first server's only
+  args=(--load-format dummy --dtype bfloat16 --max-model-len 4096 --port "$port"
+        --enable-logging-iteration-details)
+  if [ "$MODE" = pair ]; then
+    args+=(--gpu-memory-utilization "$PAIR_GPU_UTIL" --kv-cache-memory-bytes "$PAIR_KV_BYTES")
+    LOG[$s]=$OUT/server_$s.log               # both rounds': copied to each round's name at the end
+  else
+    args+=(--gpu-memory-utilization 0.90)
+    LOG[$s]=$OUT/server_$s-r$R.log
+  fi
+  [ "$s" = custom ] && args+=(--attention-backend CUSTOM)
+  # e.g. EXTRA_SERVER_ARGS='--compilation-config {"cudagraph_mode":"PIECEWISE"}' to take attention
+  # out of the decode graphs if FULL graphs misbehave (word-split: no spaces inside the JSON).
+  # shellcheck disable=SC2206
+  args+=(${EXTRA_SERVER_ARGS:-})
+  URL[$s]=http://127.0.0.1:$port
+  HOME_DIR[$s]=/tmp/serve_ab/$s-server; rm -rf "${HOME_DIR[$s]}"; mkdir -p "${HOME_DIR[$s]}"
+  echo "== $s: vllm serve $MODEL ${args[*]}"
+  # For the report (python -m vllm_chunkattn.bench.serve_ab_report): the command and the GPU.
+  echo "vllm serve $MODEL ${args[*]}" > "${HOME_DIR[$s]}/server_cmd.txt"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "${HOME_DIR[$s]}/gpu.txt" 2> /dev/null
+  echo idle > "${HOME_DIR[$s]}/current"
+  CHUNKATTN_STATS_FILE=${HOME_DIR[$s]}/chunkattn_stats.json "$VLLM" serve "$MODEL" "${args[@]}" \
+    > "${LOG[$s]}" 2>&1 &
+  SERVER[$s]=$!
+}
 t0=$SECONDS
-CHUNKATTN_STATS_FILE=$WORK/chunkattn_stats.json "$VLLM" serve "$MODEL" "${server_args[@]}" \
-  > "$OUT/server_$TAG.log" 2>&1 &
-SERVER=$!
-until up; do
-  kill -0 $SERVER 2> /dev/null || { echo "server died:"; tail -40 "$OUT/server_$TAG.log"; exit 1; }
-  [ $((SECONDS + STOP_S)) -lt "$BUDGET_S" ] || {
-    echo "server not up after $((SECONDS - t0)) s (BUDGET_S $BUDGET_S)"; stop $SERVER; exit 1; }
-  sleep 2
+for s in "${SYSTEMS[@]}"; do start_server "$s"; done   # a pair starts at once: one wait for both
+for s in "${SYSTEMS[@]}"; do
+  until up "${URL[$s]}/health"; do
+    kill -0 "${SERVER[$s]}" 2> /dev/null || {
+      echo "$s server died:"; tail -40 "${LOG[$s]}"
+      for q in "${SYSTEMS[@]}"; do stop "${SERVER[$q]}"; done; exit 1; }
+    [ $((SECONDS + STOP_S)) -lt "$BUDGET_S" ] || {
+      echo "$s server not up after $((SECONDS - t0)) s (BUDGET_S $BUDGET_S)"
+      for q in "${SYSTEMS[@]}"; do stop "${SERVER[$q]}"; done; exit 1; }
+    sleep 2
+  done
+  echo "$s server up in $((SECONDS - t0)) s"
+  grep -m3 -iE "chunkattn|attention backend" "${LOG[$s]}"
 done
-echo "server up in $((SECONDS - t0)) s"
-grep -m3 -iE "chunkattn|attention backend" "$OUT/server_$TAG.log"
 
-echo idle > "$WORK/current"
 # KV usage, running requests, the API server's and engine core's CPU and the GPU's busy share
-# every 0.25 s, tagged with the workload in flight (serve_sampler.py).
-$PY benchmarks/gpu/serve_sampler.py "$URL/metrics" "$WORK" "$SERVER" &
-SAMPLER=$!
+# every 0.25 s, tagged with the run in flight (serve_sampler.py).
+SAMPLERS=()
+for s in "${SYSTEMS[@]}"; do
+  $PY benchmarks/gpu/serve_sampler.py "${URL[$s]}/metrics" "${HOME_DIR[$s]}" "${SERVER[$s]}" &
+  SAMPLERS+=($!)
+done
 
-# A workload starts only if the budget left covers the longest one measured so far (GUESS_S
-# before the first), and is cut where the budget ends: however long the server took to start,
-# the call ends inside BUDGET_S, and a short budget still runs every workload that fits.
+# A workload starts only if the budget left covers its runs at the longest run measured so far
+# (GUESS_S before the first), and a run is cut where the budget ends: however long the servers
+# took to start, the call ends inside BUDGET_S, and a short budget still runs what fits.
 longest=0
 budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
 counters() {   # CUSTOM's decode KV counters on /metrics (chunkattn:decode_*_total), one line
   # (bench/server_client.scrape's sum over label sets, inline: importing vllm_chunkattn loads
   # torch, ~2 s a call, twice a workload, in device time)
-  $PY - "$URL/metrics" <<'PY' || true
+  $PY - "$1/metrics" <<'PY' || true
 import sys, urllib.request
 try:
     text = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
@@ -167,50 +208,77 @@ for line in text.splitlines():
 print(" ".join(f"{k}={v:.0f}" for k, v in sorted(total.items())))
 PY
 }
-bench() {   # name, then `vllm bench serve` flags
-  local name=$1; shift
-  local left start=$SECONDS
+# A run's name in its server's log marks and samples: the workload's, with the round where two
+# rounds share a server (bench/serve_ab_report.py reads either).
+run_name() { [ "$MODE" = pair ] && echo "$2-r$1" || echo "$2"; }
+bench() {   # system, round, workload name, then `vllm bench serve` flags
+  local s=$1 rnd=$2 name=$3; shift 3
+  local work=/tmp/serve_ab/$s-r$rnd run left start=$SECONDS seed=$((rnd - R))
+  run=$(run_name "$rnd" "$name")
+  # The warm-up's random prompts are its own: with `random`'s seed they were that workload's
+  # first 8, served from the prefix cache (H100 rounds 1-2: TTFT and throughput flattered alike).
+  [ "$name" != warmup ] || seed=99
   left=$(budget_left)
-  [ "$left" -ge 10 ] || { echo "$name: skipped (budget: $left s left)"; return; }
-  echo "$name" > "$WORK/current"
-  echo "$*" > "$WORK/$name.flags"
-  echo "before $(counters)" > "$WORK/$name.counters"   # its share of decode KV reads from shared chunks
-  mark "$name" start
+  [ "$left" -ge 10 ] || { echo "$s-r$rnd $name: skipped (budget: $left s left)"; return; }
+  echo "$run" > "${HOME_DIR[$s]}/current"
+  echo "$*" > "$work/$name.flags"
+  echo "before $(counters "${URL[$s]}")" > "$work/$name.counters"   # share of decode KV reads from shared chunks
+  # The workload's edges in the server log (its access log line, in order with the step lines).
+  up "${URL[$s]}/health?serve_ab=$run.start" || true
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
-  timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "$URL" \
-    --model "$MODEL" --seed 0 --save-result --save-detailed --result-dir "$WORK" \
-    --result-filename "$name.json" "$@" > "$WORK/$name.log" 2>&1
-  local rc=$?; echo idle > "$WORK/current"
-  mark "$name" end
-  echo "after $(counters)" >> "$WORK/$name.counters"
+  timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "${URL[$s]}" \
+    --model "$MODEL" --seed "$seed" --save-result --save-detailed --result-dir "$work" \
+    --result-filename "$name.json" "$@" > "$work/$name.log" 2>&1
+  local rc=$?; echo idle > "${HOME_DIR[$s]}/current"
+  up "${URL[$s]}/health?serve_ab=$run.end" || true
+  echo "after $(counters "${URL[$s]}")" >> "$work/$name.counters"
   [ "$name" = warmup ] || [ $((SECONDS - start)) -le $longest ] || longest=$((SECONDS - start))
-  echo "$name: rc=$rc in $((SECONDS - start)) s, $(grep -E 'Output token throughput' \
-    "$WORK/$name.log" | tr -s ' ')"
+  echo "$s-r$rnd $name: rc=$rc in $((SECONDS - start)) s, $(grep -E 'Output token throughput' \
+    "$work/$name.log" | tr -s ' ')"
 }
-# shellcheck disable=SC2046   # workload flags are single words by construction
-bench warmup $(workload random | sed "s/--num-prompts $N/--num-prompts 8/")
+# The runs of one workload: system:round, in order (a pair's ABBA).
+if [ "$MODE" = pair ]; then RUNS=("stock:$R" "custom:$R" "custom:$((R + 1))" "stock:$((R + 1))")
+else RUNS=("$MODE:$R"); fi
+for run in "${RUNS[@]}"; do rm -rf "/tmp/serve_ab/${run/:/-r}"; mkdir -p "/tmp/serve_ab/${run/:/-r}"; done
+WARMUPS=()                                   # a pair's at once: they time nothing (~25 s saved)
+for s in "${SYSTEMS[@]}"; do
+  # shellcheck disable=SC2046   # workload flags are single words by construction
+  bench "$s" "$R" warmup $(workload random | sed "s/--num-prompts $N/--num-prompts 8/") &
+  WARMUPS+=($!)
+done
+wait "${WARMUPS[@]}"
 for w in "${WORKLOADS[@]}"; do
-  need=$((longest > 0 ? longest : ${GUESS_S:-60}))
+  need=$(( ${#RUNS[@]} * (longest > 0 ? longest : ${GUESS_S:-45}) ))   # H100: runs of 30-45 s
   left=$(budget_left)
   [ "$left" -ge "$need" ] || { echo "$w: skipped (budget: $left s left, need ~$need s)"; continue; }
-  # shellcheck disable=SC2046
-  bench "$w" $(workload "$w")
+  for run in "${RUNS[@]}"; do
+    # shellcheck disable=SC2046
+    bench "${run%:*}" "${run#*:}" "$w" $(workload "$w")
+  done
 done
-kill $SAMPLER 2> /dev/null
-stop $SERVER; wait $SERVER 2> /dev/null
-echo "server stopped; $((SECONDS - t0)) s since its start, $SECONDS s in all"
+kill "${SAMPLERS[@]}" 2> /dev/null
+for s in "${SYSTEMS[@]}"; do stop "${SERVER[$s]}" & done
+wait 2> /dev/null                            # the stops, the servers, the samplers
+echo "servers stopped; $((SECONDS - t0)) s since the start, $SECONDS s in all"
 
-# The same rows as the A/B report (python -m vllm_chunkattn.bench.serve_ab_report), for this run.
-$PY -m vllm_chunkattn.bench.serve_ab_report --summary "$WORK" "$OUT/server_$TAG.log" "$TAG" \
-  > "$OUT/summary_$TAG.md"
-grep -m1 "kernel=" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
-# Which CUDA graphs were captured (FULL decode graphs include CUSTOM's attention) and whether
-# async scheduling stayed on (vLLM's GPU default; the flag must leave it alone): vLLM 0.32 logs
-# neither that nor the model runner unless V2, so CUSTOM's tree scheduler says it.
-{ grep -oE "Capturing CUDA graphs \([^)]*\)" "$OUT/server_$TAG.log" | sort -u
-  grep -oE "cudagraph_mode[^,]*|async scheduling (on|off)|Using V2 Model Runner" \
-    "$OUT/server_$TAG.log" | sort -u
-} >> "$OUT/summary_$TAG.md"
-grep -m1 "KV cache size" "$OUT/server_$TAG.log" >> "$OUT/summary_$TAG.md"
-tar -czf "$OUT/results_$TAG.tar.gz" -C "$WORK" .
-cat "$OUT/summary_$TAG.md"
+for run in "${RUNS[@]}"; do
+  s=${run%:*}; tag=${run/:/-r}; work=/tmp/serve_ab/$tag
+  cp "${HOME_DIR[$s]}"/* "$work/" 2> /dev/null   # the server's: each round reads its own runs
+  rm -f "$work/current"
+  [ "${LOG[$s]}" = "$OUT/server_$tag.log" ] || cp "${LOG[$s]}" "$OUT/server_$tag.log"
+  # The same rows as the A/B report (python -m vllm_chunkattn.bench.serve_ab_report), per round.
+  $PY -m vllm_chunkattn.bench.serve_ab_report --summary "$work" "$OUT/server_$tag.log" "$tag" \
+    > "$OUT/summary_$tag.md"
+  grep -m1 "kernel=" "$OUT/server_$tag.log" >> "$OUT/summary_$tag.md"
+  # Which CUDA graphs were captured (FULL decode graphs include CUSTOM's attention) and whether
+  # async scheduling stayed on (vLLM's GPU default; the flag must leave it alone): vLLM 0.32 logs
+  # neither that nor the model runner unless V2, so CUSTOM's tree scheduler says it.
+  { grep -oE "Capturing CUDA graphs \([^)]*\)" "$OUT/server_$tag.log" | sort -u
+    grep -oE "cudagraph_mode[^,]*|async scheduling (on|off)|Using V2 Model Runner" \
+      "$OUT/server_$tag.log" | sort -u
+  } >> "$OUT/summary_$tag.md"
+  grep -m1 "KV cache size" "$OUT/server_$tag.log" >> "$OUT/summary_$tag.md"
+  tar -czf "$OUT/results_$tag.tar.gz" -C "$work" .
+  cat "$OUT/summary_$tag.md"
+done
+[ "$MODE" != pair ] || for s in "${SYSTEMS[@]}"; do rm -f "${LOG[$s]}"; done

@@ -128,19 +128,27 @@ def shared_kv_read_pct(counters: str) -> float:
     return 100 * (after[shared] - before[shared]) / reads if reads > 0 else math.nan
 
 
+def run_name(name: str, rnd: int, names) -> str:
+    """A workload's name in its server's log marks and load samples: `serve_ab.sh pair` runs two
+    rounds on one server and names them <workload>-r<round>; one round a server, <workload>."""
+    return f"{name}-r{rnd}" if f"{name}-r{rnd}" in names else name
+
+
 def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
     """One system's rows (a row per workload) from one serve_ab.sh run's work folder."""
     capacity = kv_capacity_tokens(server_log)
     sampled = samples((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
     kv = peaks(sampled)
     steps = serve_steps.workload_steps(server_log)
+    names = {*steps, *(w for w, _ in sampled)}
     rows = []
-    for name, shape in WORKLOADS.items():
-        result = run / f"{name}.json"
+    for workload, shape in WORKLOADS.items():
+        result = run / f"{workload}.json"
         if not result.exists():
             continue
         res = json.loads(result.read_text())
-        row = dict(system=system, round=rnd, workload=name, **shape,
+        name = run_name(workload, rnd, names)
+        row = dict(system=system, round=rnd, workload=workload, **shape,
                    request_rate=float("inf"), num_prompts=res.get("num_prompts", 0))
         row.update(latency_metrics(res, shape["n"]))
         usage = kv.get((name, "vllm:kv_cache_usage_perc"), 0.0)
@@ -154,7 +162,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         for key in LOAD:
             seen = sampled.get((name, key))
             row[key] = statistics.mean(seen) if seen else math.nan
-        counters = run / f"{name}.counters"
+        counters = run / f"{workload}.counters"
         row["shared_kv_read_pct"] = shared_kv_read_pct(
             counters.read_text() if counters.exists() else "")
         rows.append(row)
@@ -339,9 +347,11 @@ def main(argv=None) -> int:
              "budget_min": 0, "slo_ms": float("inf"), "goals": GPU_GOALS, "sample_s": 0.25,
              "client": "`vllm bench serve` from benchmarks/gpu/serve_ab.sh (`--ignore-eos "
                        "--seed 0 --save-detailed`, 32 concurrent; prefix1x2k_c128 / _c256: "
-                       "128 / 256 concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); one server per "
-                       "system and round runs the workloads in turn, no prefix-cache reset between "
-                       "them (their prompts share nothing)",
+                       "128 / 256 concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); a server "
+                       "per system runs its rounds' workloads in turn (one round a server, or two in "
+                       "`serve_ab.sh pair`: both servers up, each workload stock, custom, custom, "
+                       "stock, the second round with `--seed 1`, other prompts), no prefix-cache "
+                       "reset between them (their prompts share nothing)",
              "workloads": [(w, prompts.get(w, ""), float("inf"), flags[w]) for w in WORKLOADS
                            if flags[w] != "?"]}
     paths = ab_report.write(rows, setup, a.out, a.tag)
