@@ -243,8 +243,10 @@ def test_the_session_plan_names_only_what_the_scripts_do():
         text = (ROOT / script).read_text()
         if sub and script.endswith(("install_bundle.sh", "detached_bench.sh")):
             assert re.search(rf"^  {sub}\)", text, re.M), f"{script} has no '{sub}'"
-        elif sub:                                      # serve_ab.sh: the system
-            assert sub in ("stock", "custom"), (script, sub)
+        elif sub:                                      # serve_ab.sh: the system, or both
+            assert sub in ("stock", "custom", "pair"), (script, sub)
+            cases = re.findall(r"^  ([\w|]+)\)", text, re.M)          # its `case $MODE in`
+            assert any(sub in c.split("|") for c in cases), f"{script} has no '{sub}'"
     acted_on = set(re.findall(r"\bwant ([a-z-]+)", DEVICE_SCRIPT.read_text()))
     stages = {w for quoted, bare in re.findall(r'STAGES=(?:"([a-z -]+)"|([a-z-]+))', readme)
               for w in (quoted or bare).split()}
