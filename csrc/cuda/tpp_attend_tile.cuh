@@ -32,29 +32,41 @@ struct Smem {
 };
 
 // Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
+// Thread x copies 16-byte chunk x % kChunks of tokens x / kChunks + i * kTokStride. Its block ids
+// are loaded first, all at once, and the copies issued after: written as one loop (id, then its
+// copy), nvcc (13.0, sm_90a) kept each copy waiting on its own id load and a branch, eight
+// dependent load latencies a stage in a row (SASS: LDG.E.CONSTANT -> ~100 instructions ->
+// LDGSTS, eight times).
 template <typename T, int D, int TOKENS>
 __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
                                               int t0, int t_end, int kv_head) {
   using S = TileShape<D, TOKENS>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per token row
-  const T* key = static_cast<const T*>(p.key);
-  const T* value = static_cast<const T*>(p.value);
+  static_assert(kThreads % kChunks == 0 && (S::kTokens * kChunks) % kThreads == 0,
+                "a thread copies the same chunk of every token it copies");
+  constexpr int kTokStride = kThreads / kChunks;
+  constexpr int kPerThread = S::kTokens * kChunks / kThreads;
   const int mask = (1 << p.block_size_log2) - 1;
-  for (int idx = threadIdx.x; idx < S::kTokens * kChunks; idx += kThreads) {
-    const int tok = idx / kChunks, c = idx % kChunks, t = t0 + tok;
-    const T* gk = key;
-    const T* gv = value;
-    int bytes = 0;
-    if (t < t_end) {
-      const int64_t blk = __ldg(ids + (t >> p.block_size_log2));
-      const int64_t off = t & mask;
-      gk = key + blk * p.k_stride_block + off * p.k_stride_tok + kv_head * p.k_stride_head + c * 8;
-      gv = value + blk * p.v_stride_block + off * p.v_stride_tok + kv_head * p.v_stride_head +
-           c * 8;
-      bytes = 16;
-    }
-    cp_async_16(sk + tok * S::kLd + c * 8, gk, bytes);
-    cp_async_16(sv + tok * S::kLd + c * 8, gv, bytes);
+  const int c = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks;
+  int blk[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int t = t0 + tok0 + i * kTokStride;
+    blk[i] = t < t_end ? __ldg(ids + (t >> p.block_size_log2)) : 0;
+  }
+  const T* key_head = static_cast<const T*>(p.key) + kv_head * p.k_stride_head + c * 8;
+  const T* value_head = static_cast<const T*>(p.value) + kv_head * p.v_stride_head + c * 8;
+  // A token past t_end copies 0 bytes (zero fill) from block 0, row t & mask: an address inside
+  // the cache, computed without a branch.
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int tok = tok0 + i * kTokStride, t = t0 + tok;
+    const int64_t off = t & mask;
+    const int bytes = t < t_end ? 16 : 0;
+    cp_async_16(sk + tok * S::kLd + c * 8, key_head + blk[i] * p.k_stride_block + off * p.k_stride_tok,
+                bytes);
+    cp_async_16(sv + tok * S::kLd + c * 8,
+                value_head + blk[i] * p.v_stride_block + off * p.v_stride_tok, bytes);
   }
 }
 
