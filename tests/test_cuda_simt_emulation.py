@@ -16,8 +16,8 @@ from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import (LONG_TREE, TREE_SPECS, assert_matches_reference,
-                                    caterpillar_batch, pad_batch, random_tree_batch,
-                                    split_spare_slots, tpp_work)
+                                    caterpillar_batch, pad_batch, poison_unread_kv,
+                                    random_tree_batch, split_spare_slots, tpp_work)
 
 H100_RESIDENT_CTAS = 132 * 2   # an H100's SMs x partial-kernel CTAs per SM at head 128
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
@@ -125,6 +125,18 @@ def test_default_split_heuristic(emu, spare_slots):
 def test_empty_plan(emu):
     b = batch("system_prompts", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
     plan = empty_plan(b.query.shape[0])
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_kv_no_row_holds_is_never_let_in(emu, head_size):
+    """Every cache row no sequence reads holds NaN (poison_unread_kv): a stage's tokens past its
+    run must land as zeros (cp.async's zero fill)."""
+    b = batch("long", seed=3, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16,
+              dtype=torch.float16)
+    assert poison_unread_kv(b) > 16 and b.key_cache[0].isnan().all()
+    assert any(n % 64 for n in b.seq_lens.tolist())                  # runs end inside a stage
+    plan = plan_of(b)
     assert_matches_reference(b, plan, *run(emu, b, plan))
 
 

@@ -10,8 +10,8 @@ from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.testing import (LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
-                                    caterpillar_batch, pad_batch, random_tree_batch,
-                                    split_spare_slots)
+                                    caterpillar_batch, pad_batch, poison_unread_kv,
+                                    random_tree_batch, split_spare_slots)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -226,6 +226,17 @@ def test_long_nodes_default_heuristic(ops):
     plan = plan_of(b)
     check(b, plan, *run(ops, b, plan, spare_slots=4096))
     check(b, plan, *run(ops, b, plan, spare_slots=0))
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_kv_no_row_holds_is_never_let_in(ops, head_size):
+    """Every cache row no sequence reads holds NaN (poison_unread_kv): a stage's tokens past its
+    run must land as zeros (cp.async's zero fill)."""
+    b = random_tree_batch(3, **LONG_TREE, num_heads=8, num_kv_heads=2, head_size=head_size,
+                          block_size=16, dtype=torch.float16, device="cuda")
+    assert poison_unread_kv(b) > 16 and b.key_cache[0].isnan().all()
+    plan = plan_of(b)
+    check(b, plan, *run(ops, b, plan))
 
 
 def test_empty_plan(ops):

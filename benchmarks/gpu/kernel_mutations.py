@@ -81,6 +81,10 @@ MUTATIONS = [
      "if (p.final_stage_tokens == kCompactFinalTokens) return f(", "if (false) return f("),
     ("the compact final kernel streams in the default stage's smem layout",
      "attend_tile<T, D, 1, true, TOKENS>(", "attend_tile<T, D, 1, true>("),
+    ("a KV copy uses the next token's block id",
+     "key_head + blk[i] * p.k_stride_block", "key_head + blk[(i + 1) % kPerThread] * p.k_stride_block"),
+    ("a stage's tokens past the run are copied, not zero-filled",
+     "const int bytes = t < t_end ? 16 : 0;", "const int bytes = 16;"),
 ]
 # The same, in csrc/cuda/tpp_host.h.
 HOST_MUTATIONS = [
