@@ -169,6 +169,39 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     assert _with_model(psutil.process_iter()) == [], log
 
 
+@pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
+                    "tiny model")
+def test_a_pair_whose_custom_server_dies_at_start_serves_stocks_rounds(tmp_path):
+    """A pair call whose CUSTOM server dies at start (a stand-in that exits at once) still runs
+    stock's two rounds, keeps the dead server's log, and exits 1. About 2 minutes."""
+    pytest.importorskip("vllm")
+    vllm = tmp_path / "vllm"
+    vllm.write_text(VLLM_STAND_IN.replace(
+        "  serve) exec", '  serve) case " $* " in *" CUSTOM "*) echo "stand-in: no CUSTOM" >&2; '
+                         'exit 1 ;; esac; exec'))
+    vllm.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
+           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(out), "BUDGET_S": "420",
+           "GUESS_S": "1", "PAIR_KV_BYTES": str(256 << 20), **GPU_DEFAULTS}
+    for k in ("PORT", "EXTRA_SERVER_ARGS", "ROUND"):
+        env.pop(k, None)
+    r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=480)
+    log = r.stdout + r.stderr
+    assert r.returncode == 1, log
+    assert "custom server died:" in log and "1 server(s) died at start" in log, log
+    assert re.findall(r"^(stock|custom)-r(\d) (\w+): rc=0 in ", log, re.M) == [
+        ("stock", "1", "warmup"), ("stock", "1", "random"), ("stock", "2", "random")], log
+    for tag in ("stock-r1", "stock-r2"):
+        summary = (out / f"summary_{tag}.md").read_text()
+        assert any(line.startswith("| random | 4 |") for line in summary.splitlines()), summary
+    assert not list(out.glob("*custom-r*"))
+    assert "stand-in: no CUSTOM" in (out / "server_custom.log").read_text()
+    time.sleep(1)
+    assert _with_model(psutil.process_iter()) == [], log
+
+
 def test_a_budget_too_short_for_a_server_start_starts_nothing(tmp_path):
     # Stock's round 2 on the H100: BUDGET_S=200, its server up after 144 s, no workload run.
     env = {**os.environ, "BUDGET_S": "200", "OUT": str(tmp_path / "out"), "VLLM": "false"}

@@ -164,11 +164,13 @@ start_server() {
 }
 t0=$SECONDS
 for s in "${SYSTEMS[@]}"; do start_server "$s"; done   # a pair starts at once: one wait for both
+# A pair whose one server dies at start goes on with the other (its rounds are worth the device
+# time spent), and the call then exits 1.
+ALIVE=()
 for s in "${SYSTEMS[@]}"; do
   until up "${URL[$s]}/health"; do
     kill -0 "${SERVER[$s]}" 2> /dev/null || {
-      echo "$s server died:"; tail -40 "${LOG[$s]}"
-      for q in "${SYSTEMS[@]}"; do stop "${SERVER[$q]}"; done; exit 1; }
+      echo "$s server died:"; tail -40 "${LOG[$s]}"; continue 2; }
     [ $((SECONDS + STOP_S)) -lt "$BUDGET_S" ] || {
       echo "$s server not up after $((SECONDS - t0)) s (BUDGET_S $BUDGET_S)"
       for q in "${SYSTEMS[@]}"; do stop "${SERVER[$q]}"; done; exit 1; }
@@ -176,7 +178,11 @@ for s in "${SYSTEMS[@]}"; do
   done
   echo "$s server up in $((SECONDS - t0)) s"
   grep -m3 -iE "chunkattn|attention backend" "${LOG[$s]}"
+  ALIVE+=("$s")
 done
+DIED=$(( ${#SYSTEMS[@]} - ${#ALIVE[@]} ))
+[ ${#ALIVE[@]} -gt 0 ] || exit 1
+SYSTEMS=("${ALIVE[@]}")
 
 # KV usage, running requests, the API server's and engine core's CPU and the GPU's busy share
 # every 0.25 s, tagged with the run in flight (serve_sampler.py).
@@ -239,6 +245,11 @@ bench() {   # system, round, workload name, then `vllm bench serve` flags
 # The runs of one workload: system:round, in order (a pair's ABBA).
 if [ "$MODE" = pair ]; then RUNS=("stock:$R" "custom:$R" "custom:$((R + 1))" "stock:$((R + 1))")
 else RUNS=("$MODE:$R"); fi
+live=()                                      # the runs of the servers that came up
+for run in "${RUNS[@]}"; do
+  for s in "${SYSTEMS[@]}"; do [ "${run%:*}" != "$s" ] || live+=("$run"); done
+done
+RUNS=("${live[@]}")
 for run in "${RUNS[@]}"; do rm -rf "/tmp/serve_ab/${run/:/-r}"; mkdir -p "/tmp/serve_ab/${run/:/-r}"; done
 WARMUPS=()                                   # a pair's at once: they time nothing (~25 s saved)
 for s in "${SYSTEMS[@]}"; do
@@ -282,3 +293,4 @@ for run in "${RUNS[@]}"; do
   cat "$OUT/summary_$tag.md"
 done
 [ "$MODE" != pair ] || for s in "${SYSTEMS[@]}"; do rm -f "${LOG[$s]}"; done
+[ "$DIED" = 0 ] || { echo "$DIED server(s) died at start: see server_<system>.log"; exit 1; }
