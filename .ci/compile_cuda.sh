@@ -26,20 +26,15 @@ pyinc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 # The -D__CUDA_NO_* defines are the ones torch.utils.cpp_extension passes to nvcc.
 flags=(-std=c++17 -O3 --expt-relaxed-constexpr -DTORCH_EXTENSION_NAME=_C -Icsrc -I"$pyinc"
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
-       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a
        -Xptxas -warn-spills -diag-suppress 3306 -Xcompiler -Wno-c++20-extensions)
+sm90=(-gencode arch=compute_90a,code=sm_90a)
 # CUBIN=out.cubin CUBIN_SRC=csrc/cuda/x.cu: that one file for sm_90a only, to a cubin (its SASS
 # read by tests/test_cuda_codegen.py), with the same flags.
 if [ -n "${CUBIN:-}" ]; then
-  sm90=(); skip=0
-  for f in "${flags[@]}"; do      # drop the two -gencode pairs, keep the rest
-    if [ $skip = 1 ]; then skip=0; continue; fi
-    if [ "$f" = -gencode ]; then skip=1; continue; fi
-    sm90+=("$f")
-  done
-  nvcc "${sm90[@]}" -gencode arch=compute_90a,code=sm_90a $inc -cubin "${CUBIN_SRC:?}" -o "$CUBIN"
+  nvcc "${flags[@]}" "${sm90[@]}" $inc -cubin "${CUBIN_SRC:?}" -o "$CUBIN"
   exit $?
 fi
+flags+=(-gencode arch=compute_80,code=sm_80 "${sm90[@]}")
 echo "compile_cuda: $(nvcc --version | tail -1)"
 jobs=${JOBS:-$(nproc)}
 pids=()

@@ -48,27 +48,34 @@ def _with_model(procs) -> list[psutil.Process]:
     return out
 
 
+def _cpu_call(tmp_path, budget_s: int, stand_in: str = VLLM_STAND_IN, **knobs: str) -> dict:
+    """serve_ab.sh's environment for a CPU call: the stand-in `vllm` CLI, the tiny model, 4
+    prompts of 8 tokens, $OUT under tmp_path, vLLM's GPU defaults (the V2 model runner and async
+    scheduling, test_v2_model_runner); knobs: the call's own (ROUND, EXTRA_SERVER_ARGS, ...)."""
+    vllm = tmp_path / "vllm"
+    vllm.write_text(stand_in)
+    vllm.chmod(0o755)
+    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
+           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(tmp_path / "out"),
+           "BUDGET_S": str(budget_s), "GUESS_S": "1", **GPU_DEFAULTS}
+    for k in ("PORT", "EXTRA_SERVER_ARGS", "ROUND"):
+        env.pop(k, None)
+    return {**env, **knobs}
+
+
 @pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
                     "tiny model")
 def test_serve_ab_script_on_cpu(tmp_path):
     pytest.importorskip("vllm")
-    vllm = tmp_path / "vllm"
-    vllm.write_text(VLLM_STAND_IN)
-    vllm.chmod(0o755)
     # What a call cut at its time limit would leave: a process serving this model.
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "serve",
                                  str(MODEL)])
     budget_s = 420
-    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
-           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(tmp_path / "out"),
-           "BUDGET_S": str(budget_s), "GUESS_S": "1", "ROUND": "7",
-           # The script's --gpu-memory-utilization 0.90 is a share of the node's memory on CPU,
-           # and vLLM refuses to start when that much is not free (it was not on a 2-core
-           # Xeon's 11 GiB node); a fixed KV pool skips that check.
-           "EXTRA_SERVER_ARGS": f"--kv-cache-memory-bytes {512 << 20}",
-           # vLLM's GPU defaults: the V2 model runner and async scheduling (test_v2_model_runner)
-           **GPU_DEFAULTS}
-    env.pop("PORT", None)
+    # The script's --gpu-memory-utilization 0.90 is a share of the node's memory on CPU, and
+    # vLLM refuses to start when that much is not free (it was not on a 2-core Xeon's 11 GiB
+    # node); a fixed KV pool skips that check.
+    env = _cpu_call(tmp_path, budget_s, ROUND="7",
+                    EXTRA_SERVER_ARGS=f"--kv-cache-memory-bytes {512 << 20}")
     t0 = time.monotonic()
     try:
         r = subprocess.run(["bash", str(SCRIPT), "custom", "prefix1x2k", "random"], cwd=ROOT,
@@ -122,17 +129,9 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     No prompt of a round is served from a prefix cached before it (the warm-up's, or the other
     round's): each run's prefill computes all its prompt tokens. About 3 minutes."""
     pytest.importorskip("vllm")
-    vllm = tmp_path / "vllm"
-    vllm.write_text(VLLM_STAND_IN)
-    vllm.chmod(0o755)
     budget_s = 540
     out = tmp_path / "out"
-    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
-           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(out),
-           "BUDGET_S": str(budget_s), "GUESS_S": "1", "ROUND": "5",
-           "PAIR_KV_BYTES": str(256 << 20), **GPU_DEFAULTS}
-    env.pop("PORT", None)
-    env.pop("EXTRA_SERVER_ARGS", None)
+    env = _cpu_call(tmp_path, budget_s, ROUND="5", PAIR_KV_BYTES=str(256 << 20))
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=budget_s + 60)
     log = r.stdout + r.stderr
@@ -175,17 +174,11 @@ def test_a_pair_whose_custom_server_dies_at_start_serves_stocks_rounds(tmp_path)
     """A pair call whose CUSTOM server dies at start (a stand-in that exits at once) still runs
     stock's two rounds, keeps the dead server's log, and exits 1. About 2 minutes."""
     pytest.importorskip("vllm")
-    vllm = tmp_path / "vllm"
-    vllm.write_text(VLLM_STAND_IN.replace(
-        "  serve) exec", '  serve) case " $* " in *" CUSTOM "*) echo "stand-in: no CUSTOM" >&2; '
-                         'exit 1 ;; esac; exec'))
-    vllm.chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
-           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(out), "BUDGET_S": "420",
-           "GUESS_S": "1", "PAIR_KV_BYTES": str(256 << 20), **GPU_DEFAULTS}
-    for k in ("PORT", "EXTRA_SERVER_ARGS", "ROUND"):
-        env.pop(k, None)
+    no_custom = VLLM_STAND_IN.replace(
+        "  serve) exec", '  serve) case " $* " in *" CUSTOM "*) echo "stand-in: no CUSTOM" >&2; '
+                         'exit 1 ;; esac; exec')
+    env = _cpu_call(tmp_path, 420, no_custom, PAIR_KV_BYTES=str(256 << 20))
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=480)
     log = r.stdout + r.stderr

@@ -95,6 +95,8 @@ workload() {
 
 up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
        "$1" 2> /dev/null; }                  # no curl needed on the image
+# A run's edges in its server's log (its access log line, in order with the step lines).
+mark() { up "$1/health?serve_ab=$2.$3" || true; }   # URL, run, start|end
 free_port() {   # a fresh port per server: one left by an earlier call can never answer for this
   $PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
@@ -229,14 +231,13 @@ bench() {   # system, round, workload name, then `vllm bench serve` flags
   echo "$run" > "${HOME_DIR[$s]}/current"
   echo "$*" > "$work/$name.flags"
   echo "before $(counters "${URL[$s]}")" > "$work/$name.counters"   # share of decode KV reads from shared chunks
-  # The workload's edges in the server log (its access log line, in order with the step lines).
-  up "${URL[$s]}/health?serve_ab=$run.start" || true
+  mark "${URL[$s]}" "$run" start
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
   timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "${URL[$s]}" \
     --model "$MODEL" --seed "$seed" --save-result --save-detailed --result-dir "$work" \
     --result-filename "$name.json" "$@" > "$work/$name.log" 2>&1
   local rc=$?; echo idle > "${HOME_DIR[$s]}/current"
-  up "${URL[$s]}/health?serve_ab=$run.end" || true
+  mark "${URL[$s]}" "$run" end
   echo "after $(counters "${URL[$s]}")" >> "$work/$name.counters"
   [ "$name" = warmup ] || [ $((SECONDS - start)) -le $longest ] || longest=$((SECONDS - start))
   echo "$s-r$rnd $name: rc=$rc in $((SECONDS - start)) s, $(grep -E 'Output token throughput' \
