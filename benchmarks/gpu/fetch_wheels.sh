@@ -5,6 +5,8 @@
 # FlashInfer JIT-compiles its kernels and binds them through tvm-ffi, so no torch ABI has to
 # match (the project's GPU baseline notes). run_on_device.sh installs them when present.
 # Usage: bash benchmarks/gpu/fetch_wheels.sh   (PYTHON=... to pick the pip; run it here, not there)
+# Then `python benchmarks/gpu/flashinfer_aot.py build` compiles the bench's FlashInfer modules for
+# sm_90a here into the same folder, so the device call does not wait on nvcc for them.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

@@ -107,6 +107,12 @@ if (( fi_ok )); then
     [ -n "$inc" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-I$inc"
   fi
   "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$WORK/env.log"
+  # The bench's modules compiled here ahead of time (flashinfer_aot.py build; the pack travels in
+  # the wheels folder): FlashInfer loads them instead of building (60-112 s of a call on nvcc).
+  aot=$("$PY" benchmarks/gpu/flashinfer_aot.py install --site "$FI_SITE" \
+        --tar "$FI_WHEELS/flashinfer_aot_sm90a.tar.xz" --arch "$FLASHINFER_CUDA_ARCH_LIST" 2>&1 |
+        tee -a "$WORK/env.log" | tail -1)
+  printf '%-22s %s\n' flashinfer-aot "$aot" >> "$SUMMARY"
 fi
 
 # ---- build (JIT, local arch; sm_90a on Hopper)
@@ -248,6 +254,10 @@ if (( build_rc == 0 )); then
       fi
       [ -f "$WARM_STATE.log" ] && cat "$WARM_STATE.log" >> "$WORK/bench.log"
       stage flashinfer-jit 240 "$WORK/bench.log" "${WARM_CMD[@]}"     # seconds once cached
+      # What FlashInfer still compiled here (0 when flashinfer-aot held every module it used).
+      printf '%-22s %s module(s) compiled on the device\n' flashinfer-built "$(find \
+        "${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer" -path '*/cached_ops/*' \
+        -name '*.so' 2>/dev/null | wc -l)" >> "$SUMMARY"
     fi
     # The tree grids of issue #9 (paper Table 3, Llama-3-8B, RL rollouts, few-shot) against
     # FlashInfer decode + cascade: kernel_cuda_gpu.{md,csv,png}, rewritten after every grid.

@@ -141,6 +141,22 @@ def multi_level_cascade(bt, levels: CascadeLevels, block_size: int):
     return lambda: wrapper.run(bt.query[order], pool)[inverse]
 
 
+def jit_module_specs(dtypes=(torch.float16, torch.bfloat16), head_size: int = 128) -> list:
+    """The modules warm() builds, as FlashInfer's JitSpecs, for a build with no GPU
+    (benchmarks/gpu/flashinfer_aot.py): the cascade merge, then per dtype the FA2 batch-prefill
+    module (tensor-core decode) and the FA3 one (the cascade's levels on sm_90). The arguments are
+    those the wrappers pass at plan time: int32 indptr, no positional encoding, no sliding window,
+    no soft cap, no fp16 QK reduction."""
+    from flashinfer.jit.attention import gen_batch_prefill_module
+    from flashinfer.jit.cascade import gen_cascade_module
+    specs = [gen_cascade_module()]
+    for dtype in dtypes:
+        for backend in ("fa2", "fa3"):
+            specs.append(gen_batch_prefill_module(backend, dtype, dtype, dtype, torch.int32,
+                                                  head_size, head_size, 0, False, False, False))
+    return specs
+
+
 def warm(dtype: torch.dtype, device: torch.device = torch.device("cuda")) -> None:
     """Plan and run both wrappers once on a tiny tree, which JIT-builds their modules."""
     from ..plan import build_plan
