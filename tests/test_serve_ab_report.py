@@ -67,14 +67,21 @@ def _call(root: Path, system: str, rnd: int) -> Path:
                  f"before {reads}={10_000 * i} {shared}={1000 * i}\n"
                  f"after {reads}={10_000 * i + 1000} {shared}={1100 * i}\n" if system == "custom"
                  else "before \nafter \n")
-            kv += [f"{i}.1 {name} api_server_cpu_pct {40 + 10 * i}",
-                   f"{i}.2 {name} api_server_cpu_pct {60 + 10 * i}",
+            # serve_sampler.py's samples, all of a time together; at i.0 the client is still
+            # starting (no request running): its load is left out of the means
+            kv += [f"{i}.0 {name} vllm:num_requests_running 0",
+                   f"{i}.0 {name} api_server_cpu_pct 5",
                    f"{i}.0 {name} vllm:kv_cache_usage_perc {usage / 2}",
+                   f"{i}.1 {name} vllm:num_requests_running 32",
+                   f"{i}.1 {name} api_server_cpu_pct {40 + 10 * i}",
+                   f"{i}.2 {name} vllm:num_requests_running 32",
+                   f"{i}.2 {name} api_server_cpu_pct {60 + 10 * i}",
                    f"{i}.5 {name} vllm:kv_cache_usage_perc {usage}",
                    f"{i}.5 {name} vllm:num_requests_running 32"]
             if rnd == 1:      # serve_sampler.py's engine core CPU and GPU busy: round 1 only
                 gpu = (98, 100) if system == "stock" else (70, 80)
-                kv += [f"{i}.1 {name} engine_core_cpu_pct 90", f"{i}.2 {name} engine_core_cpu_pct 100",
+                kv += [f"{i}.0 {name} engine_core_cpu_pct 3", f"{i}.0 {name} gpu_busy_pct 0",
+                       f"{i}.1 {name} engine_core_cpu_pct 90", f"{i}.2 {name} engine_core_cpu_pct 100",
                        f"{i}.1 {name} gpu_busy_pct {gpu[0]}", f"{i}.2 {name} gpu_busy_pct {gpu[1]}"]
         _add(t, "./kv.tsv", "\n".join(kv) + "\n")
         _add(t, "./gpu.txt", "NVIDIA H100 80GB HBM3, 580.159.04\n")
@@ -183,7 +190,8 @@ def test_the_device_summary_has_the_reports_rows(tmp_path):
     assert "| random | 2 | 1000.0 | 7.84 |" in md and "| 50.0 | 32 |" in md
     assert f"| n8x1k | 2 | 500.0 | {1e3 * 2.0 / 255:.2f} |" in md
     # API server, engine core CPU and GPU busy: the means of the fixture's samples
-    assert "| 50 | 95 | 99 | 750.00 | 11.00 | 51,000 |" in md.splitlines()[4]   # + the step log
+    # + the step log; no client CPU sampled
+    assert "| 50 | nan | 95 | 99 | 750.00 | 11.00 | 51,000 |" in md.splitlines()[4]
 
 
 def test_share_of_decode_kv_reads_from_shared_chunks_per_workload(report):
@@ -214,7 +222,8 @@ def test_committed_calls_with_gzipped_server_logs_give_the_same_report(tmp_path,
 
 def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     """prefix1x2k (i = 1): custom's requests got 7 + 256 messages for 512 tokens, stock's 512;
-    the API server's CPU is the mean of its samples, 50 and 70 -> 60."""
+    the API server's CPU is the mean of its samples while requests ran, 50 and 70 -> 60 (the
+    5 % before the first request is left out)."""
     rounds, _, md = report
     got = {(r["system"], r["round"], r["workload"]): r for r in rounds}     # the rounds' CSV
     assert float(got[("stock", "1", "prefix1x2k")]["tokens_per_message"]) == pytest.approx(1.0)
@@ -317,7 +326,9 @@ def test_a_pair_calls_two_rounds_on_one_server_each_read_their_own_runs(tmp_path
                      mark.format(r=3, edge="end"),
                      mark.format(r=4, edge="start"), step.format(ms=9, kv=40), mark.format(r=4, edge="end")])
     kv = ["1.0 random-r3 vllm:kv_cache_usage_perc 0.15", "1.1 random-r3 gpu_busy_pct 50",
-          "2.0 random-r4 vllm:kv_cache_usage_perc 0.35", "2.1 random-r4 gpu_busy_pct 90"]
+          "1.1 random-r3 vllm:num_requests_running 2",
+          "2.0 random-r4 vllm:kv_cache_usage_perc 0.35", "2.1 random-r4 gpu_busy_pct 90",
+          "2.1 random-r4 vllm:num_requests_running 2"]
     res = {"num_prompts": 2, "completed": 2, "failed": 0, "duration": 3.0,
            "output_throughput": 100.0, "latencies": [2.0, 3.0], "ttfts": [0.5, 0.5],
            "output_lens": [256, 256], "itls": [[0.01] * 255] * 2, "start_times": [0.0, 0.0]}

@@ -88,5 +88,48 @@ def test_samples_are_tagged_with_the_workload_and_cover_both_processes(tmp_path,
     assert len(by_metric["api_server_cpu_pct"]) >= 4            # 2 s at 0.25 s
     assert min(by_metric["api_server_cpu_pct"][1:]) > 50          # the busy loop: ~100
     assert max(by_metric["engine_core_cpu_pct"]) < 20             # found, and idle
+    assert "client_cpu_pct" not in by_metric                      # no `vllm bench serve` ran
     # gpu_busy_pct only where NVML answers (the device machine), never made up elsewhere
     assert ("gpu_busy_pct" in by_metric) == (_module().nvml_busy() is not None)
+
+
+BUSY = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
+IDLE = "import time; time.sleep(60)"
+
+
+def test_with_several_api_servers_the_busiest_is_sampled_and_the_client_too(tmp_path, metrics_url):
+    """--api-server-count 2: the `vllm serve` process only watches its VLLM::APIServer_i
+    children; the sampled share is the busiest one's (one saturated server is the limit, not the
+    sum). The `vllm bench serve` process sending to this server is sampled as client_cpu_pct."""
+    spawn = ("import subprocess, sys, time\n"
+             f"for code, title in (({BUSY!r}, 'VLLM::APIServer_0'), ({IDLE!r}, 'VLLM::APIServer_1'),"
+             f" ({IDLE!r}, 'VLLM::EngineCore')):\n"
+             "    subprocess.Popen([sys.executable, '-c', code, title])\n"
+             "time.sleep(60)\n")
+    serve = subprocess.Popen([sys.executable, "-c", spawn])
+    base = metrics_url.rsplit("/metrics", 1)[0]
+    client = subprocess.Popen([sys.executable, "-c", BUSY, "bench", "serve", "--base-url", base])
+    other = subprocess.Popen([sys.executable, "-c", IDLE, "bench", "serve", "--base-url",
+                              "http://127.0.0.1:1"])   # another server's client, idle
+    (tmp_path / "current").write_text("prefix1x2k_c256\n")
+    sampler = subprocess.Popen([sys.executable, str(SAMPLER), metrics_url, str(tmp_path),
+                                str(serve.pid)])
+    try:
+        time.sleep(2.5)
+    finally:
+        sampler.kill()
+        sampler.wait()
+        import psutil
+
+        for p in [*psutil.Process(serve.pid).children(recursive=True), serve, client, other]:
+            p.kill()
+        for p in (serve, client, other):
+            p.wait()
+    by_metric: dict[str, list[float]] = {}
+    for row in (line.split() for line in (tmp_path / "kv.tsv").read_text().splitlines()):
+        if len(row) == 4:
+            by_metric.setdefault(row[2], []).append(float(row[3]))
+    assert len(by_metric["api_server_cpu_pct"]) >= 4
+    assert min(by_metric["api_server_cpu_pct"][1:]) > 50    # APIServer_0's busy loop, not the idle parent
+    assert min(by_metric["client_cpu_pct"][1:]) > 50
+    assert max(by_metric["engine_core_cpu_pct"]) < 20

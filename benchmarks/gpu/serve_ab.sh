@@ -44,6 +44,14 @@ N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
 # which the second server must pass beside the first.
 PAIR_KV_BYTES=${PAIR_KV_BYTES:-$((18 << 30))}
 PAIR_GPU_UTIL=${PAIR_GPU_UTIL:-0.40}
+# vLLM's front end, the same for both systems: one API server process streams every token of
+# every request, and at 256 concurrent on the H100 (CUSTOM's round 2) it ran at 92-102 % of a
+# core for the whole decode (GIL-bound), at ~10K tokens/s, the rate CUSTOM's 128-concurrent run
+# delivered too: the front end, not the engine, may set both. 4 API servers share the outputs,
+# and streaming every 8th token (the first at once) cuts the per-message work of the API servers
+# and of the one-process client 8-fold; TPOT and output tok/s are measured the same way.
+# FRONTEND_ARGS= (empty) serves as rounds 1-2 did.
+FRONTEND_ARGS=${FRONTEND_ARGS---api-server-count 4 --stream-interval 8}
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
 bash benchmarks/gpu/detached_bench.sh wait   # vLLM reserves most of the GPU: not beside a bench
 export PYTHONUNBUFFERED=1
@@ -149,6 +157,8 @@ start_server() {
     LOG[$s]=$OUT/server_$s-r$R.log
   fi
   [ "$s" = custom ] && args+=(--attention-backend CUSTOM)
+  # shellcheck disable=SC2206   # flags, word-split
+  args+=($FRONTEND_ARGS)
   # e.g. EXTRA_SERVER_ARGS='--compilation-config {"cudagraph_mode":"PIECEWISE"}' to take attention
   # out of the decode graphs if FULL graphs misbehave (word-split: no spaces inside the JSON).
   # shellcheck disable=SC2206

@@ -5,7 +5,11 @@
 Appends `time workload metric value` lines to WORK/kv.tsv, tagged with the workload named in
 WORK/current (no line while that is empty: bench() is rewriting it):
   vllm:kv_cache_usage_perc, vllm:num_requests_running   from /metrics
-  api_server_cpu_pct    the `vllm serve` process (saturated, it streams tokens in bursts)
+  api_server_cpu_pct    the busiest API server process: the `vllm serve` process, or with
+                        --api-server-count N its VLLM::APIServer_i children (GIL-bound: near
+                        100 it is saturated, and streams tokens late or in bursts)
+  client_cpu_pct        the `vllm bench serve` process sending to this server (one process
+                        reading every stream: it can saturate too)
   engine_core_cpu_pct   its EngineCore child: scheduler, plan builds, launches (100 = one core;
                         near 100 also while it spin-waits on the GPU, so alone it says little)
   gpu_busy_pct          NVML's share of its last sample period with a kernel running
@@ -45,6 +49,57 @@ def engine_core(server):
     return None
 
 
+def api_servers(server) -> list:
+    """The processes that serve HTTP: vLLM's API server children (--api-server-count > 1; the
+    `vllm serve` process then only watches them), else the `vllm serve` process itself."""
+    import psutil
+
+    found = []
+    for child in server.children(recursive=True):
+        try:
+            if "APIServer" in " ".join(child.cmdline()) or "APIServer" in child.name():
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found or [server]
+
+
+def bench_client(url: str):
+    """The `vllm bench serve` process sending to url, or None."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if url in cmd and "bench" in cmd and "serve" in cmd:
+            return proc
+    return None
+
+
+class CpuShare:
+    """A process's CPU % over each sample period (psutil: the first reading of a process only
+    starts its interval), the process found again when it is gone (each run has a new client)."""
+
+    def __init__(self, find):
+        self.find, self.procs = find, {}
+
+    def read(self) -> float | None:
+        import psutil
+
+        found = self.find()
+        procs = found if isinstance(found, list) else [found] if found else []
+        shares = []
+        for p in procs:
+            try:
+                if p.pid in self.procs:
+                    shares.append(self.procs[p.pid].cpu_percent(None))
+                else:
+                    self.procs[p.pid] = p
+                    p.cpu_percent(None)
+            except psutil.Error:
+                self.procs.pop(p.pid, None)
+        return max(shares) if shares else None
+
+
 def nvml_busy():
     """A function giving the GPU's busy % (NVML utilization.gpu), or None where NVML is absent.
     vLLM carries NVML's bindings (vllm/third_party/pynvml.py): loaded by path, so the sampler
@@ -81,8 +136,10 @@ def sample_forever(url: str, work: str, server_pid: int, period_s: float = PERIO
     import psutil
 
     server = psutil.Process(server_pid)
-    server.cpu_percent(None)             # starts the interval the next call measures
-    core = None
+    api = CpuShare(lambda: api_servers(server))
+    base = url.rsplit("/metrics", 1)[0]
+    client = CpuShare(lambda: bench_client(base))
+    core = CpuShare(lambda: engine_core(server))
     busy = nvml_busy()
     with open(os.path.join(work, "kv.tsv"), "a") as out:
         while True:
@@ -90,16 +147,12 @@ def sample_forever(url: str, work: str, server_pid: int, period_s: float = PERIO
                 text = urllib.request.urlopen(url, timeout=2).read().decode()
                 with open(os.path.join(work, "current")) as f:
                     workload = f.read().strip()
-                if core is None:         # not found yet: its first interval starts once it is
-                    core = engine_core(server)
-                    if core is not None:
-                        core.cpu_percent(None)
-                    core_cpu = None
-                else:
-                    core_cpu = core.cpu_percent(None)
-                values = [*metric_lines(text), ("api_server_cpu_pct", f"{server.cpu_percent(None):.1f}")]
-                if core_cpu is not None:
-                    values.append(("engine_core_cpu_pct", f"{core_cpu:.1f}"))
+                values = metric_lines(text)
+                for name, share in (("api_server_cpu_pct", api.read()),
+                                    ("client_cpu_pct", client.read()),
+                                    ("engine_core_cpu_pct", core.read())):
+                    if share is not None:
+                        values.append((name, f"{share:.1f}"))
                 if busy is not None and (pct := busy()) is not None:
                     values.append(("gpu_busy_pct", str(pct)))
                 now = f"{time.time():.2f}"

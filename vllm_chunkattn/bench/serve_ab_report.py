@@ -39,10 +39,11 @@ GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
-           "longest_silence_s", "api_server_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct",
+           "longest_silence_s", "api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct",
+           "gpu_busy_pct",
            "kv_bound_tokens", "steps", "mean_step_ms", "decode_wait_ms", "step_peak_kv_tokens")
-# serve_sampler.py's load samples: a workload's mean of each goes into its row.
-LOAD = ("api_server_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
+# serve_sampler.py's load samples: a workload's mean of each while requests ran goes into its row.
+LOAD = ("api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running", "steps", "step_peak_kv_tokens")
 TAG_RE = re.compile(r"results_(stock|custom)-r(\d+)\.tar\.gz$")
 
@@ -64,6 +65,25 @@ def samples(kv_tsv: str) -> dict[tuple[str, str], list[float]]:
         _, workload, metric, value = fields
         out.setdefault((workload, metric), []).append(float(value))
     return out
+
+
+def load_while_serving(kv_tsv: str) -> dict[tuple[str, str], float]:
+    """(workload, metric) -> the mean of a LOAD metric over the samples taken while requests
+    ran (vllm:num_requests_running > 0 at the same time). A run's whole span also holds the
+    client's start-up, ~20 s of a 36 s run on the H100 with nothing to serve: averaged over it,
+    an API server at 92-102 % of a core while 256 requests decoded read as 29 % (round 2)."""
+    at: dict[tuple[str, str], dict[str, float]] = {}
+    for line in kv_tsv.splitlines():
+        fields = line.split()
+        if len(fields) == 4:
+            at.setdefault((fields[0], fields[1]), {})[fields[2]] = float(fields[3])
+    seen: dict[tuple[str, str], list[float]] = {}
+    for (_, workload), values in at.items():
+        if values.get("vllm:num_requests_running", 0) > 0:
+            for key in LOAD:
+                if key in values:
+                    seen.setdefault((workload, key), []).append(values[key])
+    return {k: statistics.mean(v) for k, v in seen.items()}
 
 
 def peaks(sampled: dict[tuple[str, str], list[float]]) -> dict:
@@ -137,8 +157,9 @@ def run_name(name: str, rnd: int, names) -> str:
 def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
     """One system's rows (a row per workload) from one serve_ab.sh run's work folder."""
     capacity = kv_capacity_tokens(server_log)
-    sampled = samples((run / "kv.tsv").read_text()) if (run / "kv.tsv").exists() else {}
-    kv = peaks(sampled)
+    kv_tsv = (run / "kv.tsv").read_text() if (run / "kv.tsv").exists() else ""
+    sampled = samples(kv_tsv)
+    kv, load = peaks(sampled), load_while_serving(kv_tsv)
     steps = serve_steps.workload_steps(server_log)
     names = {*steps, *(w for w, _ in sampled)}
     rows = []
@@ -160,8 +181,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
                    kv_bound_tokens=kv_bound_tokens(res, shape),
                    **serve_steps.step_stats(steps.get(name, []), res.get("duration", 0), capacity))
         for key in LOAD:
-            seen = sampled.get((name, key))
-            row[key] = statistics.mean(seen) if seen else math.nan
+            row[key] = load.get((name, key), math.nan)
         counters = run / f"{workload}.counters"
         row["shared_kv_read_pct"] = shared_kv_read_pct(
             counters.read_text() if counters.exists() else "")
@@ -200,13 +220,15 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
     lines = [f"# {tag}: vllm serve, vllm bench serve (TPOT per sequence)", "",
              "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
              "| peak KV % | peak running | shared KV reads % | tokens / message | API server CPU % "
-             "| engine core CPU % | GPU busy % | mean step ms | decode-step wait ms | peak KV per step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| client CPU % | engine core CPU % | GPU busy % | mean step ms | decode-step wait ms "
+             "| peak KV per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
               f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
               f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} "
               f"| {r['shared_kv_read_pct']:.1f} | {r['tokens_per_message']:.1f} "
-              f"| {r['api_server_cpu_pct']:.0f} | {r['engine_core_cpu_pct']:.0f} "
+              f"| {r['api_server_cpu_pct']:.0f} | {r['client_cpu_pct']:.0f} "
+              f"| {r['engine_core_cpu_pct']:.0f} "
               f"| {r['gpu_busy_pct']:.0f} | {r['mean_step_ms']:.2f} | {r['decode_wait_ms']:.2f} "
               f"| {ab_report._f(r['step_peak_kv_tokens'], 0)} |" for r in rows]
     return "\n".join(lines)
@@ -237,8 +259,8 @@ def combine(rounds: list[dict]) -> list[dict]:
 
 
 STREAM_COLUMNS = {"tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
-                  "api_server_cpu_pct": "API server CPU %", "engine_core_cpu_pct": "engine core CPU %",
-                  "gpu_busy_pct": "GPU busy %"}
+                  "api_server_cpu_pct": "API server CPU %", "client_cpu_pct": "client CPU %",
+                  "engine_core_cpu_pct": "engine core CPU %", "gpu_busy_pct": "GPU busy %"}
 
 
 def streaming_section(rows: list[dict], systems: list[str]) -> str:
@@ -258,11 +280,14 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
                       "Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
                       "longest silence = the longest time no stream got a message (prefill "
-                      "included; the whole server or client stalling); API server / engine core "
-                      "CPU = the `vllm serve` process's and its EngineCore's CPU use (100 = one "
-                      "core; the engine core also spins while it waits for the GPU); GPU busy = "
-                      "NVML's share of time with a kernel running; each the mean of samples every "
-                      "0.25 s while the workload ran.", "",
+                      "included; the whole server or client stalling); API server / client / "
+                      "engine core CPU = the busiest API server process's (the `vllm serve` "
+                      "process, or one of its --api-server-count children), the `vllm bench "
+                      "serve` process's and the EngineCore's CPU use (100 = one core: a GIL-bound "
+                      "process near 100 is saturated; the engine core also spins while it waits "
+                      "for the GPU); GPU busy = NVML's share of time with a kernel running; each "
+                      "the mean of the samples (every 0.25 s) taken while requests were running.",
+                      "",
                       ab_report._table(head, body)]) + "\n"
 
 
