@@ -74,7 +74,7 @@ def test_serve_ab_script_on_cpu(tmp_path):
     # The script's --gpu-memory-utilization 0.90 is a share of the node's memory on CPU, and
     # vLLM refuses to start when that much is not free (it was not on a 2-core Xeon's 11 GiB
     # node); a fixed KV pool skips that check.
-    # The front end the GPU rounds use from round 3 on, smaller: 2 API server processes, a
+    # A front end a GPU round may use: 2 API server processes (vLLM then logs no steps), a
     # stream message every 2nd token (the first at once).
     env = _cpu_call(tmp_path, budget_s, ROUND="7",
                     EXTRA_SERVER_ARGS=f"--kv-cache-memory-bytes {512 << 20}",
@@ -142,12 +142,15 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     pytest.importorskip("vllm")
     budget_s = 540
     out = tmp_path / "out"
-    env = _cpu_call(tmp_path, budget_s, ROUND="5", PAIR_KV_BYTES=str(256 << 20))
+    # the GPU rounds' front end from round 3 on, smaller: a stream message every 2nd token
+    env = _cpu_call(tmp_path, budget_s, ROUND="5", PAIR_KV_BYTES=str(256 << 20),
+                    FRONTEND_ARGS="--stream-interval 2")
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=budget_s + 60)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log
     assert log.count(f"--kv-cache-memory-bytes {256 << 20}") == 2, log
+    assert log.count("--stream-interval 2") == 2, log
     runs = re.findall(r"^(stock|custom)-r(\d) (\w+): rc=0 in ", log, re.M)
     assert sorted(runs[:2]) == [("custom", "5", "warmup"), ("stock", "5", "warmup")], log  # at once
     assert runs[2:] == [("stock", "5", "random"), ("custom", "5", "random"),
@@ -166,6 +169,7 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
             res = json.load(t.extractfile("./random.json"))
             seed = re.search(r"seed=(\d+)", t.extractfile("./random.log").read().decode()).group(1)
         assert seed == str(int(tag[-1]) - 5), tag
+        assert serve_ab_report.tokens_per_message(res) == pytest.approx(8 / 5), tag
         # the steps between this round's marks computed every prompt token
         mine = steps[f"random-r{tag[-1]}"]
         assert sum(s.context_tokens for s in mine) == sum(res["input_lens"]) > 0, tag
