@@ -63,10 +63,15 @@ def _call(root: Path, system: str, rnd: int) -> Path:
             # 1000 in this workload, 100 x i of them from shared chunks; stock has none
             reads, shared = ("chunkattn:decode_kv_tokens_total",
                              "chunkattn:decode_shared_kv_tokens_total")
+            # and vLLM's inter-token latency histogram: 100 tokens in 0.5 s (custom), 0.9 s (stock)
+            itl_sum, itl_n = "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"
+            itl = 0.5 if system == "custom" else 0.9
             _add(t, f"./{name}.counters",
-                 f"before {reads}={10_000 * i} {shared}={1000 * i}\n"
-                 f"after {reads}={10_000 * i + 1000} {shared}={1100 * i}\n" if system == "custom"
-                 else "before \nafter \n")
+                 f"before {reads}={10_000 * i} {shared}={1000 * i} {itl_sum}={3.25 * i} {itl_n}={500 * i}\n"
+                 f"after {reads}={10_000 * i + 1000} {shared}={1100 * i} {itl_sum}={3.25 * i + 0.5} "
+                 f"{itl_n}={500 * i + 100}\n" if system == "custom"
+                 else f"before {itl_sum}={2.0 * i} {itl_n}={40 * i}\n"
+                      f"after {itl_sum}={2.0 * i + itl} {itl_n}={40 * i + 100}\n")
             # serve_sampler.py's samples, all of a time together; at i.0 the client is still
             # starting (no request running): its load is left out of the means
             kv += [f"{i}.0 {name} vllm:num_requests_running 0",
@@ -237,7 +242,8 @@ def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     assert float(got[("custom", "1", "prefix1x2k")]["longest_silence_s"]) == pytest.approx(0.01)
     # engine core (90, 100) and GPU busy (stock 98, 100; custom 70, 80): round 1's means, the
     # only round that sampled them (custom's round 2 lost requests anyway)
-    assert "| prefix1x2k | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 | 95.0 | 95.0 | 99.0 | 75.0 |\n" in md
+    assert ("| prefix1x2k | 9.0 | 5.0 | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 | 95.0 | 95.0 | 99.0 "
+            "| 75.0 |\n") in md                                   # engine ITL first
     assert "| stock GPU busy % | custom GPU busy % |" in md
     assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved
 
@@ -345,3 +351,17 @@ def test_a_pair_calls_two_rounds_on_one_server_each_read_their_own_runs(tmp_path
     assert (rows[3]["peak_kv_tokens"], rows[4]["peak_kv_tokens"]) == (15_000, 35_000)
     assert (rows[3]["gpu_busy_pct"], rows[4]["gpu_busy_pct"]) == (50, 90)
     assert serve_ab_report.run_name("random", 5, {"random-r3", "random-r4"}) == "random"
+
+
+def test_engine_itl_is_the_histograms_mean_over_the_run(report):
+    """vLLM's inter-token latency histogram read around each run: custom 0.5 s over 100 tokens,
+    stock 0.9 s: 5 and 9 ms, in the rounds and in the streaming table."""
+    rounds, _, md = report
+    got = {(r["system"], r["round"], r["workload"]): r for r in rounds}
+    assert float(got[("custom", "1", "prefix1x2k")]["engine_itl_ms"]) == pytest.approx(5.0)
+    assert float(got[("stock", "2", "random")]["engine_itl_ms"]) == pytest.approx(9.0)
+    assert "| stock engine ITL ms | custom engine ITL ms |" in md
+    assert math.isnan(serve_ab_report.engine_itl_ms("before \nafter \n"))      # not read
+    assert math.isnan(serve_ab_report.engine_itl_ms(                           # no new token
+        "before vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"
+        "after vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"))

@@ -211,9 +211,10 @@ done
 # took to start, the call ends inside BUDGET_S, and a short budget still runs what fits.
 longest=0
 budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
-counters() {   # CUSTOM's decode KV counters on /metrics (chunkattn:decode_*_total), one line
-  # (bench/server_client.scrape's sum over label sets, inline: importing vllm_chunkattn loads
-  # torch, ~2 s a call, twice a workload, in device time)
+counters() {   # on /metrics, one line: CUSTOM's decode KV counters (chunkattn:decode_*_total) and
+  # vLLM's inter-token latency histogram's sum and count (engine-side timestamps: the report's
+  # engine ITL), each summed over label sets (bench/server_client.scrape's sum, inline:
+  # importing vllm_chunkattn loads torch, ~2 s a call, twice a workload, in device time)
   $PY - "$1/metrics" <<'PY' || true
 import sys, urllib.request
 try:
@@ -222,10 +223,11 @@ except OSError:
     sys.exit()
 total = {}
 for line in text.splitlines():
-    if line.startswith("chunkattn:decode_"):        # name{labels} value, a line per engine
+    if line.startswith(("chunkattn:decode_", "vllm:inter_token_latency_seconds_sum",
+                        "vllm:inter_token_latency_seconds_count")):   # name{labels} value
         name = line.split("{")[0].split()[0]
         total[name] = total.get(name, 0.0) + float(line.split()[-1])
-print(" ".join(f"{k}={v:.0f}" for k, v in sorted(total.items())))
+print(" ".join(f"{k}={v!r}" for k, v in sorted(total.items())))
 PY
 }
 # A run's name in its server's log marks and samples: the workload's, with the round where two

@@ -40,8 +40,8 @@ NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", 
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
            "longest_silence_s", "api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct",
-           "gpu_busy_pct", "kv_bound_tokens", "steps", "mean_step_ms", "decode_wait_ms",
-           "step_peak_kv_tokens")
+           "gpu_busy_pct", "engine_itl_ms", "kv_bound_tokens", "steps", "mean_step_ms",
+           "decode_wait_ms", "step_peak_kv_tokens")
 # serve_sampler.py's load samples: a workload's mean of each while requests ran goes into its row.
 LOAD = ("api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running", "steps", "step_peak_kv_tokens")
@@ -133,19 +133,35 @@ def longest_silence_s(res: dict) -> float:
     return max((b - a for a, b in zip(times, times[1:])), default=math.nan)
 
 
-def shared_kv_read_pct(counters: str) -> float:
-    """Share of a workload's decode KV reads served by shared chunks, from the chunkattn:decode_*
-    counters serve_ab.sh read on /metrics before and after it; nan without them (stock)."""
+def counter_deltas(counters: str) -> dict[str, float]:
+    """name -> after - before, for the counters serve_ab.sh read on /metrics around a run (only
+    those read both times)."""
     seen = {}
     for line in counters.splitlines():
         when, *pairs = line.split()
         seen[when] = {k: float(v) for k, v in (p.split("=") for p in pairs)}
     before, after = seen.get("before", {}), seen.get("after", {})
-    kv, shared = ("chunkattn:decode_kv_tokens_total", "chunkattn:decode_shared_kv_tokens_total")
-    if not all(k in d for k in (kv, shared) for d in (before, after)):
-        return math.nan
-    reads = after[kv] - before[kv]
-    return 100 * (after[shared] - before[shared]) / reads if reads > 0 else math.nan
+    return {k: after[k] - before[k] for k in after.keys() & before.keys()}
+
+
+def shared_kv_read_pct(counters: str) -> float:
+    """Share of a workload's decode KV reads served by shared chunks, from the chunkattn:decode_*
+    counters; nan without them (stock)."""
+    d = counter_deltas(counters)
+    reads = d.get("chunkattn:decode_kv_tokens_total", 0)
+    shared = d.get("chunkattn:decode_shared_kv_tokens_total")
+    return 100 * shared / reads if reads > 0 and shared is not None else math.nan
+
+
+def engine_itl_ms(counters: str) -> float:
+    """The run's mean inter-token latency as the engine timed it: vLLM's
+    vllm:inter_token_latency_seconds histogram takes each token's time from the engine core's
+    output timestamps, so an API server or client that falls behind does not lengthen it (the
+    client's TPOT it does); with async scheduling, a decode step. nan where not read."""
+    d = counter_deltas(counters)
+    count = d.get("vllm:inter_token_latency_seconds_count", 0)
+    total = d.get("vllm:inter_token_latency_seconds_sum")
+    return 1e3 * total / count if count > 0 and total is not None else math.nan
 
 
 def run_name(name: str, rnd: int, names) -> str:
@@ -183,8 +199,8 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         for key in LOAD:
             row[key] = load.get((name, key), math.nan)
         counters = run / f"{workload}.counters"
-        row["shared_kv_read_pct"] = shared_kv_read_pct(
-            counters.read_text() if counters.exists() else "")
+        text = counters.read_text() if counters.exists() else ""
+        row.update(shared_kv_read_pct=shared_kv_read_pct(text), engine_itl_ms=engine_itl_ms(text))
         rows.append(row)
     return rows
 
@@ -221,8 +237,8 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
              "| workload | completed | output tok/s | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
              "| peak KV % | peak running | shared KV reads % | tokens / message | API server CPU % "
              "| client CPU % | engine core CPU % | GPU busy % | mean step ms | decode-step wait ms "
-             "| peak KV per step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak KV per step | engine ITL ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['completed']} | {r['output_tok_s']:.1f} "
               f"| {r['mean_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['mean_ttft_ms']:.1f} "
               f"| {r['peak_kv_usage_pct']:.1f} | {r['peak_running']} "
@@ -230,7 +246,8 @@ def summary(run: Path, server_log: Path, tag: str) -> str:
               f"| {r['api_server_cpu_pct']:.0f} | {r['client_cpu_pct']:.0f} "
               f"| {r['engine_core_cpu_pct']:.0f} "
               f"| {r['gpu_busy_pct']:.0f} | {r['mean_step_ms']:.2f} | {r['decode_wait_ms']:.2f} "
-              f"| {ab_report._f(r['step_peak_kv_tokens'], 0)} |" for r in rows]
+              f"| {ab_report._f(r['step_peak_kv_tokens'], 0)} | {r['engine_itl_ms']:.2f} |"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -258,7 +275,8 @@ def combine(rounds: list[dict]) -> list[dict]:
     return out
 
 
-STREAM_COLUMNS = {"tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
+STREAM_COLUMNS = {"engine_itl_ms": "engine ITL ms",
+                  "tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
                   "api_server_cpu_pct": "API server CPU %", "client_cpu_pct": "client CPU %",
                   "engine_core_cpu_pct": "engine core CPU %", "gpu_busy_pct": "GPU busy %"}
 
@@ -277,7 +295,10 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
                   for k in keys for s in systems)]
             for w in dict.fromkeys(r["workload"] for r in rows)]
     return "\n".join(["", "## Streaming and load: tokens per stream message, CPU, GPU busy", "",
-                      "Tokens per message = a workload's output tokens / the stream messages its "
+                      "Engine ITL = the mean of vLLM's `vllm:inter_token_latency_seconds` over the "
+                      "run (from its counters read before and after): each token timed by the "
+                      "engine core's output timestamps, so a front end that falls behind does not "
+                      "lengthen it as it does the client's TPOT. Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
                       "longest silence = the longest time no stream got a message (prefill "
                       "included; the whole server or client stalling); API server / client / "
