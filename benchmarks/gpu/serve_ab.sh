@@ -48,8 +48,8 @@ PAIR_GPU_UTIL=${PAIR_GPU_UTIL:-0.40}
 # every request, and at 256 concurrent on the H100 (CUSTOM's round 2) it ran at 92-102 % of a
 # core for the whole decode (GIL-bound), at ~10K tokens/s, the rate CUSTOM's 128-concurrent run
 # delivered too: the front end, not the engine, may set both. A stream message every 8th token
-# (the first at once) cuts the per-message work of the API server and of the one-process client
-# 8-fold; TPOT and output tok/s are measured the same way. Not --api-server-count N: with more
+# (the first at once): 8 times fewer messages for the API server and the one-process client (on
+# CPU the API server's CPU a token halved); TPOT and output tok/s are measured the same way. Not --api-server-count N: with more
 # than one, vLLM 0.32 turns its logging stat loggers off, and with them the per-step log the
 # report's engine steps come from (the sampler reads the busiest of N if a round adds it).
 # FRONTEND_ARGS= (empty) serves as rounds 1-2 did.
