@@ -7,8 +7,8 @@ the H100, 60-89 s on the H200). FlashInfer loads a module from `flashinfer/data/
 bind through tvm-ffi, not torch's C++ ABI: a module compiled here with the same FlashInfer, the
 same nvcc (13.0, as on the image) and the device's arch is the one the device would build.
 
-  build    (here, once: ~10 min on 2 cores) compiles bench.flashinfer_baselines.JIT_MODULES
-           for sm_90a from the carried FlashInfer wheel and packs the .so files with a manifest
+  build    (here, once: ~14 min on 2 cores) compiles the modules
+           bench.flashinfer_baselines.jit_module_specs() names, for sm_90a from the carried FlashInfer wheel and packs the .so files with a manifest
            into benchmarks/gpu/wheels/flashinfer_aot_sm90a.tar.xz, which the device call carries
            with the wheels (git ignores the folder).
   install  (there: run_on_device.sh) unpacks them into the installed FlashInfer's data/aot if

@@ -49,9 +49,10 @@ PAIR_GPU_UTIL=${PAIR_GPU_UTIL:-0.40}
 # core for the whole decode (GIL-bound), at ~10K tokens/s, the rate CUSTOM's 128-concurrent run
 # delivered too: the front end, not the engine, may set both. A stream message every 8th token
 # (the first at once): 8 times fewer messages for the API server and the one-process client (on
-# CPU the API server's CPU a token halved); TPOT and output tok/s are measured the same way. Not --api-server-count N: with more
-# than one, vLLM 0.32 turns its logging stat loggers off, and with them the per-step log the
-# report's engine steps come from (the sampler reads the busiest of N if a round adds it).
+# CPU the API server's CPU a token halved); TPOT and output tok/s are measured the same way.
+# Not --api-server-count N: with more than one, vLLM 0.32 turns its logging stat loggers off,
+# and with them the per-step log the report's engine steps come from (the sampler reads the
+# busiest of N if a round adds it).
 # FRONTEND_ARGS= (empty) serves as rounds 1-2 did.
 FRONTEND_ARGS=${FRONTEND_ARGS---stream-interval 8}
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
@@ -244,7 +245,7 @@ bench() {   # system, round, workload name, then `vllm bench serve` flags
   [ "$left" -ge 10 ] || { echo "$s-r$rnd $name: skipped (budget: $left s left)"; return; }
   echo "$run" > "${HOME_DIR[$s]}/current"
   echo "$*" > "$work/$name.flags"
-  echo "before $(counters "${URL[$s]}")" > "$work/$name.counters"   # share of decode KV reads from shared chunks
+  echo "before $(counters "${URL[$s]}")" > "$work/$name.counters"   # shared KV reads, engine ITL
   mark "${URL[$s]}" "$run" start
   # --save-detailed: per-request latencies, so TPOT is per sequence for n > 1 (ab.latency_metrics)
   timeout $((left < 200 ? left : 200)) "$VLLM" bench serve --backend vllm --base-url "${URL[$s]}" \

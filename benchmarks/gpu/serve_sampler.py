@@ -36,32 +36,29 @@ def metric_lines(text: str) -> list[tuple[str, str]]:
             if line.startswith(KV_METRICS)]
 
 
-def engine_core(server):
-    """The server's EngineCore process (vLLM titles it VLLM::EngineCore), or None."""
-    import psutil
-
-    for child in server.children(recursive=True):
-        try:
-            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
-                return child
-        except psutil.Error:
-            continue
-    return None
-
-
-def api_servers(server) -> list:
-    """The processes that serve HTTP: vLLM's API server children (--api-server-count > 1; the
-    `vllm serve` process then only watches them), else the `vllm serve` process itself."""
+def titled(server, title: str) -> list:
+    """The server's child processes vLLM titled VLLM::<title>... (setproctitle, or their name)."""
     import psutil
 
     found = []
     for child in server.children(recursive=True):
         try:
-            if "APIServer" in " ".join(child.cmdline()) or "APIServer" in child.name():
+            if title in " ".join(child.cmdline()) or title in child.name():
                 found.append(child)
         except psutil.Error:
             continue
-    return found or [server]
+    return found
+
+
+def engine_core(server):
+    """The server's EngineCore process, or None."""
+    return next(iter(titled(server, "EngineCore")), None)
+
+
+def api_servers(server) -> list:
+    """The processes that serve HTTP: vLLM's API server children (--api-server-count > 1; the
+    `vllm serve` process then only watches them), else the `vllm serve` process itself."""
+    return titled(server, "APIServer") or [server]
 
 
 def bench_client(url: str):

@@ -54,16 +54,20 @@ def kv_capacity_tokens(server_log: str) -> int:
     return int(m.group(1).replace(",", "")) if m else 0
 
 
-def samples(kv_tsv: str) -> dict[tuple[str, str], list[float]]:
-    """(workload, metric) -> its samples (serve_ab.sh's kv.tsv: time workload metric value).
-    A line of another shape is a sample cut short where the sampler was stopped: left out."""
-    out: dict = {}
+def sample_lines(kv_tsv: str):
+    """(time, workload, metric, value) of serve_ab.sh's kv.tsv lines. A line of another shape is
+    a sample cut short where the sampler was stopped: left out."""
     for line in kv_tsv.splitlines():
         fields = line.split()
-        if len(fields) != 4:
-            continue
-        _, workload, metric, value = fields
-        out.setdefault((workload, metric), []).append(float(value))
+        if len(fields) == 4:
+            yield fields[0], fields[1], fields[2], float(fields[3])
+
+
+def samples(kv_tsv: str) -> dict[tuple[str, str], list[float]]:
+    """(workload, metric) -> its samples."""
+    out: dict = {}
+    for _, workload, metric, value in sample_lines(kv_tsv):
+        out.setdefault((workload, metric), []).append(value)
     return out
 
 
@@ -73,10 +77,8 @@ def load_while_serving(kv_tsv: str) -> dict[tuple[str, str], float]:
     client's start-up, ~20 s of a 36 s run on the H100 with nothing to serve: averaged over it,
     an API server at 92-102 % of a core while 256 requests decoded read as 29 % (round 2)."""
     at: dict[tuple[str, str], dict[str, float]] = {}
-    for line in kv_tsv.splitlines():
-        fields = line.split()
-        if len(fields) == 4:
-            at.setdefault((fields[0], fields[1]), {})[fields[2]] = float(fields[3])
+    for when, workload, metric, value in sample_lines(kv_tsv):
+        at.setdefault((when, workload), {})[metric] = value
     seen: dict[tuple[str, str], list[float]] = {}
     for (_, workload), values in at.items():
         if values.get("vllm:num_requests_running", 0) > 0:
