@@ -17,7 +17,7 @@ from vllm_chunkattn.bench import kernel_gpu
 from vllm_chunkattn.bench.cascade_levels import cascade_levels, emulate_cascade
 from vllm_chunkattn.bench.kernel import main as kernel_main
 from vllm_chunkattn.bench.kernel_gpu_report import goal_lines, overlap_lines
-from vllm_chunkattn.bench.kernel_trees import (LLAMA3_8B, PAPER, SMOKE, AttnShape, TreePoint,
+from vllm_chunkattn.bench.kernel_trees import (GRIDS, LLAMA3_8B, PAPER, SMOKE, AttnShape, TreePoint,
                                                few_shot, paper_grid, rollouts, single_prefix,
                                                smoke_grid, tree_block_table)
 from vllm_chunkattn.bench.roofline import (chunk_first_flops, chunk_first_rows,
@@ -335,6 +335,25 @@ def test_a_wrong_split_variant_fails_the_run(tmp_path, monkeypatch):
     assert "splits_7: mismatch" in rows["b=4 P=64 S=20"]["notes"]
     assert rows["b=4 P=64 S=20"]["ours_ok"] == "False"
     assert all(r["ours_ok"] == "True" for p, r in rows.items() if p != "b=4 P=64 S=20")
+
+
+def test_every_named_point_is_a_point_of_its_grid():
+    """The sweeps and Nsight Compute name points by (grid, label): a label that drifts from the
+    grid's would drop a sweep silently, or fail ncu_points.py on the device (StopIteration)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "ncu_points", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "ncu_points.py"))
+    ncu_points = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ncu_points)
+    named = (kernel_gpu.SPLIT_SWEEP_POINTS | kernel_gpu.TAIL_SWEEP_POINTS | kernel_gpu.FINAL_SWEEP_POINTS
+             | {(grid, label) for grid, label, _ in ncu_points.POINTS.values()})
+    labels = {(g, p.label) for g in GRIDS for p in GRIDS[g]()}
+    assert named - labels == set()
+    # the served shape, in every sweep and under ncu
+    served = ("llama8b", "b=256 P=2048 S=128")
+    assert all(served in s for s in (kernel_gpu.SPLIT_SWEEP_POINTS, kernel_gpu.TAIL_SWEEP_POINTS,
+                                     kernel_gpu.FINAL_SWEEP_POINTS))
+    assert ncu_points.POINTS["llama_serve"] == (*served, False)
 
 
 def test_gpu_grids_refuse_the_cpu():

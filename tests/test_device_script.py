@@ -380,16 +380,19 @@ esac
 case "$*" in *"ncu_points.py --summary"*) exec {sys.executable} "$@" ;; esac
 exit 0""")
     assert r.returncode == 0, summary
-    points = ("paper_shared", "paper_private", "llama_capacity")
+    points = ("llama_serve", "paper_shared", "paper_private", "llama_capacity")
+    stalled = ("llama_serve", "paper_shared", "llama_capacity")
     ran = calls.read_text().splitlines()
-    # then the stall reasons' metrics at the two latency-bound points, a process each
-    assert [line.split()[-1] for line in ran] == [*points, "paper_shared", "llama_capacity"]
+    # the served shape first (the budget cuts the last stages), then the stall reasons' metrics
+    # at it and the two latency-bound points, a process each
+    assert [line.split()[-1] for line in ran] == [*points, *stalled]
     assert all("--clock-control none" in line and "-k regex:tpp_" in line for line in ran)
-    assert ["issue_stalled" in line for line in ran] == [False] * 3 + [True] * 2
+    assert ["issue_stalled" in line for line in ran] == [False] * 4 + [True] * 3
+    assert all("--section ComputeWorkloadAnalysis" in line for line in ran[:4])
     for p in points:
         assert re.search(rf"ncu-{p} +ok", summary), summary
         assert f"| {p} | void chunkattn::tpp_final_kernel |  | 8{p} % |" in summary, summary
-    for p in ("paper_shared", "llama_capacity"):
+    for p in stalled:
         assert re.search(rf"ncu-stalls-{p} +ok", summary), summary
         # largest first, the reason's name without the metric's prefix and suffix
         assert (f"| {p} | void chunkattn::tpp_final_kernel | long_scoreboard 3.20, no_instruction 1.90, "

@@ -23,6 +23,13 @@ def test_predict_adds_layers_head_and_the_plan_once():
     assert got["predicted_speedup"] == pytest.approx(27 / 22)
     assert got["stock_attention_share"] == pytest.approx(8 / 27)
     assert got["custom_attention_share"] == pytest.approx(2 / 22)
+    # ceilings: everything but our attention as measured
+    assert got["speedup_attention_free"] == pytest.approx(27 / (4 * 3.0 + 7.0 + 1.0))   # 27 / 20
+    assert "speedup_at_roofline" not in got
+    at_roofline = predict(layers=4, stock_attention_ms=2.0, custom_attention_ms=0.5, linear_ms=3.0,
+                          head_ms=7.0, plan_ms=1.0, custom_roofline_ms=0.25)
+    assert at_roofline["speedup_at_roofline"] == pytest.approx(27 / 21)
+    assert at_roofline["predicted_speedup"] == pytest.approx(27 / 22)
 
 
 def test_llama_3_8b_gemms_hold_its_layer_weights():
@@ -121,6 +128,18 @@ def test_cpu_check_smoke(tmp_path):
             16 * (f["stock_attention_ms"] + f["linear_ms"]) + f["head_ms"])
         assert f["custom_tpot_ms"] == pytest.approx(
             16 * (f["custom_attention_ms"] + f["linear_ms"]) + f["head_ms"] + f["plan_ms"])
+        # the roofline: the batch's distinct blocks' tokens x K and V of the shape's 8 kv heads
+        # x 64 x 2 bytes (bf16, the JSON's dtype) at the measured bandwidth; 2 rows of prompt + 1
+        # tokens, the shared prefix once (block 64: 64 shared tokens are one block)
+        assert r["dtype"] == "bfloat16"
+        tokens = 2 * (int(r["prompt"]) + 1) - int(r["shared"])
+        assert f["custom_roofline_ms"] == pytest.approx(
+            tokens * 2 * 8 * 64 * 2 / (f["bandwidth_gbs"] * 1e9) * 1e3, rel=1e-6)
+        rest = 16 * f["linear_ms"] + f["head_ms"] + f["plan_ms"]
+        assert f["speedup_at_roofline"] == pytest.approx(
+            f["stock_tpot_ms"] / (rest + 16 * f["custom_roofline_ms"]))
+        assert f["speedup_attention_free"] == pytest.approx(f["stock_tpot_ms"] / rest)
+        assert f["speedup_attention_free"] > f["speedup_at_roofline"]
         stock, custom = measured[int(r["shared"])]
         assert (f["measured_stock_ms"], f["measured_custom_ms"]) == (stock, custom)
         assert f["residual_stock_ms"] == pytest.approx(stock - f["stock_tpot_ms"])

@@ -291,16 +291,20 @@ if (( build_rc == 0 )); then
   if want ncu; then
     NCU=$(find_tool ncu /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu)
     if [ -n "$NCU" ]; then
-      for pt in paper_shared paper_private llama_capacity; do
+      # The served shape first: the budget cuts the last stages.
+      for pt in llama_serve paper_shared paper_private llama_capacity; do
         stage "ncu-$pt" 90 "$WORK/ncu.log" "$NCU" --clock-control none --target-processes all \
           -k regex:tpp_ --section SpeedOfLight --section Occupancy --section LaunchStats \
-          --section MemoryWorkloadAnalysis --section WarpStateStats --csv --page details \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --csv --page details \
           --log-file "$WORK/ncu_$pt.csv" "$PY" benchmarks/gpu/ncu_points.py "$pt"
       done
-      # What the latency-bound launches wait on: each stall reason's warps per issued instruction
-      # (the H100 run's sections named only the top one). A stage of its own, so a metric this
-      # ncu lacks fails it alone.
-      for pt in paper_shared llama_capacity; do
+      # What the launches wait on: each stall reason's warps per issued instruction (the H100
+      # run's sections named only the top one), at the served shape (math pipe throttle: the
+      # tensor pipe is the ceiling; short scoreboard / MIO: shared memory; long scoreboard: L2;
+      # barrier: the stage syncs) and the two latency-bound points. A stage of its own, so a
+      # metric this ncu lacks fails it alone.
+      for pt in llama_serve paper_shared llama_capacity; do
         stage "ncu-stalls-$pt" 60 "$WORK/ncu.log" "$NCU" --clock-control none --target-processes all \
           -k regex:tpp_ --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
           --csv --page details --log-file "$WORK/ncu_stalls_$pt.csv" "$PY" benchmarks/gpu/ncu_points.py "$pt"

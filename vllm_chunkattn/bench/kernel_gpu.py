@@ -67,22 +67,27 @@ CONTENDERS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan", "fi_decode"
 BASELINES = ("empty_plan", "fi_decode", "fi_decode_graph", "fi_tails", "fi_tails_graph",
              "fi_cascade", "fi_cascade_graph", "sdpa")
 OURS = ("ours", "ours_graph", "ours_vllm_graph", "empty_plan")   # a mismatch fails the run
+# The served shape (`prefix1x2k_c256`'s decode batch) is in every sweep below: on the H100 the op
+# chose 7 chunk-first splits there (896 chunk CTAs, 3.4 waves; each split a partial state per row
+# that the final launch merges) and its 2048 final CTAs ran 5.2 waves.
+SERVED = ("llama8b", "b=256 P=2048 S=128")
 # Points where ours is also timed with its chunk-first KV splits forced (the host code's wave
 # rule, csrc/cuda/tpp_host.h, against its neighbours), in a workspace with room for 16.
 SPLIT_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("llama8b", "b=32 P=4096 S=1024"),
-                      ("rl", "G=4 n=8 prompt 4K, gen 0"), ("smoke", "b=4 P=64 S=20")}
+                      ("rl", "G=4 n=8 prompt 4K, gen 0"), ("smoke", "b=4 P=64 S=20"), SERVED}
 SWEEP_SPLITS = (1, 4, 6, 7, 8, 9, 12, 16)
 # Points where ours is also timed with its private tails' KV splits forced: with nothing shared the
 # final launch does the whole decode (1024 CTAs of one head each, 2.6 waves at the paper point on an
 # H100: ours 0.91x FlashInfer decode there); up to 9 splits, the workspace's 8 spare rows a row.
 TAIL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=0"), ("llama8b", "b=32 nothing shared, S=1024"),
-                     ("llama8b", "b=128 nothing shared, S=1024"), ("smoke", "b=4 nothing shared")}
+                     ("llama8b", "b=128 nothing shared, S=1024"), ("smoke", "b=4 nothing shared"),
+                     SERVED}
 TAIL_SPLITS = (1, 2, 3, 4, 6, 9)
 # Points where ours is also timed with the final launch's compact stage (CHUNKATTN_FINAL_STAGE_
 # TOKENS=32: 4 CTAs an SM instead of 3, csrc/cuda/tpp_params.cuh) against the default (64): the
-# paper point's two latency-bound final launches and the served shape (Llama-3-8B, b = 128).
+# paper point's two latency-bound final launches and the served shapes (Llama-3-8B, b = 128, 256).
 FINAL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("paper", "n_p=4096 n_s=0"),
-                      ("llama8b", "b=128 P=2048 S=128"), ("smoke", "b=4 P=64 S=20")}
+                      ("llama8b", "b=128 P=2048 S=128"), ("smoke", "b=4 P=64 S=20"), SERVED}
 FINAL_STAGES = (64, 32)
 
 

@@ -34,6 +34,7 @@ from .kernel import (KvPool, cpu_attn, flashinfer_decode, host_ms, machine, mark
                      ours, plan_step, vllm_cpu_isa)
 from .linear_layers import (LayerWeights, decoder_layer_without_attention, layer_flops, lm_head,
                             lm_head_weight)
+from .roofline import kv_bytes_per_token, measure_hbm_bandwidth, roofline_us, unique_kv_tokens
 from .timing import Timer, cuda_graph
 
 # The issue's GPU points: 2-4K shared of a 4096-token prompt (0: the no-sharing control), plus a
@@ -53,12 +54,22 @@ class Point:
 
 
 def predict(layers: int, stock_attention_ms: float, custom_attention_ms: float,
-            linear_ms: float, head_ms: float, plan_ms: float) -> dict:
+            linear_ms: float, head_ms: float, plan_ms: float,
+            custom_roofline_ms: float | None = None) -> dict:
+    """The two TPOTs and their ratio, and two ceilings of that ratio with everything but our
+    attention as measured: at its roofline (`custom_roofline_ms`: the batch's unique KV bytes at
+    the measured memory bandwidth, what no decode kernel that reads each byte once beats) and
+    with attention costing nothing (what no kernel beats)."""
     stock = layers * (stock_attention_ms + linear_ms) + head_ms
     custom = layers * (custom_attention_ms + linear_ms) + head_ms + plan_ms
-    return dict(stock_tpot_ms=stock, custom_tpot_ms=custom, predicted_speedup=stock / custom,
-                stock_attention_share=layers * stock_attention_ms / stock,
-                custom_attention_share=layers * custom_attention_ms / custom)
+    rest = layers * linear_ms + head_ms + plan_ms
+    out = dict(stock_tpot_ms=stock, custom_tpot_ms=custom, predicted_speedup=stock / custom,
+               stock_attention_share=layers * stock_attention_ms / stock,
+               custom_attention_share=layers * custom_attention_ms / custom)
+    if custom_roofline_ms is not None:
+        out["speedup_at_roofline"] = stock / (rest + layers * custom_roofline_ms)
+    out["speedup_attention_free"] = stock / rest
+    return out
 
 
 def grid_points(shapes, batches, shared, prompt: int | None, private: int) -> list[Point]:
@@ -115,6 +126,8 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[d
     pool = KvPool(max(batches) * blocks_per_seq + 1, args.block, num_kv_heads, head_dim, dtype,
                   device, layout)
     isa = vllm_cpu_isa(dtype, args.block, head_dim) if device.type == "cpu" else ""
+    bandwidth_gbs = measure_hbm_bandwidth(device)
+    kv_bytes = kv_bytes_per_token(num_kv_heads, head_dim, dtype)
     rows = []
     for p in points:
         bt = pool.batch(p.prompt, p.shared, p.batch, num_heads, seed=p.prompt + p.batch)
@@ -129,9 +142,11 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[d
                      custom_attention_ms=attention["custom"],
                      linear_ms=linear_ms[p.batch], head_ms=head_ms[p.batch],
                      plan_ms=host_ms(plan_step(bt, args.block), args.reps))
+        roofline_ms = roofline_us(unique_kv_tokens(bt.block_table, bt.seq_lens, args.block) * kv_bytes,
+                                  bandwidth_gbs) / 1e3
         row = dict(**asdict(p), layers=layers, dtype=args.dtype, block=args.block,
-                   stock_attention=stock_label, **parts,
-                   **predict(layers, **parts),
+                   stock_attention=stock_label, **parts, custom_roofline_ms=roofline_ms,
+                   bandwidth_gbs=bandwidth_gbs, **predict(layers, **parts, custom_roofline_ms=roofline_ms),
                    linear_tflops=layer_flops(config, p.batch) / parts["linear_ms"] / 1e9)
         rows.append(row)
         print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
@@ -159,9 +174,9 @@ def _fmt(v):
 
 
 REPORT_COLUMNS = ("shape", "batch", "prompt", "shared", "stock_attention_ms",
-                  "custom_attention_ms", "linear_ms", "head_ms", "plan_ms", "stock_tpot_ms",
-                  "custom_tpot_ms", "predicted_speedup", "stock_attention_share",
-                  "custom_attention_share")
+                  "custom_attention_ms", "custom_roofline_ms", "linear_ms", "head_ms", "plan_ms",
+                  "stock_tpot_ms", "custom_tpot_ms", "predicted_speedup", "speedup_at_roofline",
+                  "speedup_attention_free", "stock_attention_share", "custom_attention_share")
 CHECK_COLUMNS = ("shape", "batch", "prompt", "shared", "stock_tpot_ms", "measured_stock_ms",
                  "residual_stock_ms", "custom_tpot_ms", "measured_custom_ms",
                  "residual_custom_ms", "predicted_speedup", "measured_speedup")
@@ -196,6 +211,11 @@ def write_results(rows: list[dict], args, command: str) -> Path:
              f"the new one, the first `shared` shared by the whole batch; times are medians in "
              f"ms ({timing}); "
              "attention, linear: per layer; head, plan: per step; speed-up = stock / CUSTOM.",
+             f"- Ceilings of the speed-up, everything else as measured: `speedup_at_roofline` "
+             f"with our attention at `custom_roofline_ms`, the batch's unique KV bytes (each "
+             f"block once, `roofline.unique_kv_tokens`) at the measured copy bandwidth "
+             f"({rows[0]['bandwidth_gbs']:.0f} GB/s), which no kernel reading each byte once "
+             f"beats; `speedup_attention_free` with our attention costing nothing.",
              ]
     if args.device == "cpu":
         lines.append(f"- torch.set_num_threads({args.threads}): all cores, as vLLM's in-process "
