@@ -243,7 +243,7 @@ def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     # engine core (90, 100) and GPU busy (stock 98, 100; custom 70, 80): round 1's means, the
     # only round that sampled them (custom's round 2 lost requests anyway)
     assert ("| prefix1x2k | 9.0 | 5.0 | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 | 95.0 | 95.0 | 99.0 "
-            "| 75.0 |\n") in md                                   # engine ITL first
+            "| 75.0 | 1.80 |\n") in md          # engine ITL first; the engines' ratio last, 9 / 5
     assert "| stock GPU busy % | custom GPU busy % |" in md
     assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved
 
@@ -361,6 +361,7 @@ def test_engine_itl_is_the_histograms_mean_over_the_run(report):
     assert float(got[("custom", "1", "prefix1x2k")]["engine_itl_ms"]) == pytest.approx(5.0)
     assert float(got[("stock", "2", "random")]["engine_itl_ms"]) == pytest.approx(9.0)
     assert "| stock engine ITL ms | custom engine ITL ms |" in md
+    assert md.count("| engine speed-up (stock / custom ITL) |") == 1
     assert math.isnan(serve_ab_report.engine_itl_ms("before \nafter \n"))      # not read
     assert math.isnan(serve_ab_report.engine_itl_ms(                           # no new token
         "before vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"

@@ -296,11 +296,19 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
     body = [[w, *(ab_report._f(idx.get((s, w), {}).get(k), 2 if k == "longest_silence_s" else 1)
                   for k in keys for s in systems)]
             for w in dict.fromkeys(r["workload"] for r in rows)]
+    # The engine's own speed-up: where the front end caps what reaches the client, output tok/s
+    # and TPOT compare front ends, this compares the engines.
+    if "engine_itl_ms" in keys and {"stock", "custom"} <= set(systems):
+        head.append("engine speed-up (stock / custom ITL)")
+        for line in body:
+            itl = {s: idx.get((s, line[0]), {}).get("engine_itl_ms", math.nan) for s in ("stock", "custom")}
+            line.append(ab_report._f(itl["stock"] / itl["custom"] if itl["custom"] > 0 else math.nan, 2))
     return "\n".join(["", "## Streaming and load: tokens per stream message, CPU, GPU busy", "",
                       "Engine ITL = the mean of vLLM's `vllm:inter_token_latency_seconds` over the "
                       "run (from its counters read before and after): each token timed by the "
                       "engine core's output timestamps, so a front end that falls behind does not "
-                      "lengthen it as it does the client's TPOT. Tokens per message = a workload's output tokens / the stream messages its "
+                      "lengthen it as it does the client's TPOT; the engine speed-up is stock's "
+                      "over CUSTOM's. Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
                       "longest silence = the longest time no stream got a message (prefill "
                       "included; the whole server or client stalling); API server / client / "
