@@ -1,16 +1,17 @@
 """Hardware counters of our CUDA kernels at the points furthest from their goals (issue #9) and
-at the shape the H100's serving A/B decodes (issue #10), for Nsight Compute: run_on_device.sh runs each point in its own
-`ncu -k regex:tpp_` process and `--summary` turns the CSVs into one table.
+at the shape the H100's serving A/B decodes (issue #10), for Nsight Compute: run_on_device.sh
+runs each point in its own `ncu -k regex:tpp_` process and `--summary` turns the CSVs into one
+table.
 
   python benchmarks/gpu/ncu_points.py POINT          # one call of our op at POINT (under ncu)
   python benchmarks/gpu/ncu_points.py --summary CSV...   # DRAM %, occupancy, ... per kernel, and
                                                        # stall reasons from ncu_stalls_*.csv
 
 Points (one layer, one decode step), the bench's own (kernel_trees.py grids, same trees):
-  llama_serve:   llama8b "b=256 P=2048 S=128", `prefix1x2k_c256`'s decode batch (H100: ours 132 µs,
-                 35.7 % of roofline, 2.2x FlashInfer decode; its chunk-first launch 60 µs at 18.7 %
-                 of the GEMM peak, the most compute-bound point of the grid: is it the tensor
-                 pipe, shared memory, L2 or the barriers?)
+  llama_serve:   llama8b "b=256 P=2048 S=128", `prefix1x2k_c256`'s decode batch (H100: ours
+                 132 µs, 35.7 % of roofline, 2.2x FlashInfer decode; its chunk-first launch
+                 60 µs at 18.7 % of the GEMM peak, the most compute-bound point of the grid: is
+                 it the tensor pipe, shared memory, L2 or the barriers?)
   paper_shared:  paper "n_p=4096 n_s=4096": b=32, 32/32 heads, fp16, block 64 (27.6 % of roofline)
   paper_private: paper "n_p=4096 n_s=0", nothing shared (0.85x FlashInfer decode)
   llama_capacity: llama8b "b=32 P=4096 S=128", the plan padded as for a CUDA graph (was 0.23x
@@ -33,8 +34,8 @@ POINTS = {
 # the chunk CTAs' re-reads of a node from L2 are the ceiling; "Issue Slots Busy": how often a
 # warp scheduler issued at all.
 METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput",
-           "Achieved Occupancy", "Registers Per Thread", "Grid Size", "L2 Hit Rate", "Max Bandwidth",
-           "Issue Slots Busy")
+           "Achieved Occupancy", "Registers Per Thread", "Grid Size", "L2 Hit Rate",
+           "Max Bandwidth", "Issue Slots Busy")
 
 
 def run_point(name: str) -> None:

@@ -301,8 +301,9 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
     if "engine_itl_ms" in keys and {"stock", "custom"} <= set(systems):
         head.append("engine speed-up (stock / custom ITL)")
         for line in body:
-            itl = {s: idx.get((s, line[0]), {}).get("engine_itl_ms", math.nan) for s in ("stock", "custom")}
-            line.append(ab_report._f(itl["stock"] / itl["custom"] if itl["custom"] > 0 else math.nan, 2))
+            stock, custom = (idx.get((s, line[0]), {}).get("engine_itl_ms", math.nan)
+                             for s in ("stock", "custom"))
+            line.append(ab_report._f(stock / custom if custom > 0 else math.nan, 2))
     return "\n".join(["", "## Streaming and load: tokens per stream message, CPU, GPU busy", "",
                       "Engine ITL = the mean of vLLM's `vllm:inter_token_latency_seconds` over the "
                       "run (from its counters read before and after): each token timed by the "

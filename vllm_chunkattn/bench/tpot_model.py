@@ -142,11 +142,12 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[d
                      custom_attention_ms=attention["custom"],
                      linear_ms=linear_ms[p.batch], head_ms=head_ms[p.batch],
                      plan_ms=host_ms(plan_step(bt, args.block), args.reps))
-        roofline_ms = roofline_us(unique_kv_tokens(bt.block_table, bt.seq_lens, args.block) * kv_bytes,
-                                  bandwidth_gbs) / 1e3
+        unique_bytes = unique_kv_tokens(bt.block_table, bt.seq_lens, args.block) * kv_bytes
+        roofline_ms = roofline_us(unique_bytes, bandwidth_gbs) / 1e3
         row = dict(**asdict(p), layers=layers, dtype=args.dtype, block=args.block,
                    stock_attention=stock_label, **parts, custom_roofline_ms=roofline_ms,
-                   bandwidth_gbs=bandwidth_gbs, **predict(layers, **parts, custom_roofline_ms=roofline_ms),
+                   bandwidth_gbs=bandwidth_gbs,
+                   **predict(layers, **parts, custom_roofline_ms=roofline_ms),
                    linear_tflops=layer_flops(config, p.batch) / parts["linear_ms"] / 1e9)
         rows.append(row)
         print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
