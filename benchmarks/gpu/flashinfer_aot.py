@@ -8,7 +8,8 @@ bind through tvm-ffi, not torch's C++ ABI: a module compiled here with the same 
 same nvcc (13.0, as on the image) and the device's arch is the one the device would build.
 
   build    (here, once: ~14 min on 2 cores) compiles the modules
-           bench.flashinfer_baselines.jit_module_specs() names, for sm_90a from the carried FlashInfer wheel and packs the .so files with a manifest
+           bench.flashinfer_baselines.jit_module_specs() names, for sm_90a from the carried
+           FlashInfer wheel, and packs the .so files with a manifest
            into benchmarks/gpu/wheels/flashinfer_aot_sm90a.tar.xz, which the device call carries
            with the wheels (git ignores the folder).
   install  (there: run_on_device.sh) unpacks them into the installed FlashInfer's data/aot if

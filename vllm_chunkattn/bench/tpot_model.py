@@ -104,7 +104,10 @@ def stock_attention(bt, device: torch.device, isa: str):
             ours(bt, empty_plan(bt.query.shape[0])))
 
 
-def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[dict]:
+def measure_shape(shape: str, points: list[Point], args, timer: Timer,
+                  bandwidth_gbs: float) -> list[dict]:
+    """The points of one model shape; bandwidth_gbs: the device's, measured once a run (the
+    roofline ceiling's)."""
     config = SHAPES[shape]
     layers = config["num_hidden_layers"]
     num_heads, num_kv_heads, head_dim = attention_shape(shape)
@@ -126,7 +129,6 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer) -> list[d
     pool = KvPool(max(batches) * blocks_per_seq + 1, args.block, num_kv_heads, head_dim, dtype,
                   device, layout)
     isa = vllm_cpu_isa(dtype, args.block, head_dim) if device.type == "cpu" else ""
-    bandwidth_gbs = measure_hbm_bandwidth(device)
     kv_bytes = kv_bytes_per_token(num_kv_heads, head_dim, dtype)
     rows = []
     for p in points:
@@ -324,9 +326,11 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     timer = Timer(torch.device(args.device))
+    bandwidth_gbs = measure_hbm_bandwidth(torch.device(args.device))
     rows = []
     for shape in dict.fromkeys(q.shape for q in points):
-        rows += measure_shape(shape, [q for q in points if q.shape == shape], args, timer)
+        rows += measure_shape(shape, [q for q in points if q.shape == shape], args, timer,
+                              bandwidth_gbs)
     if measured:
         add_measured(rows, measured)
     if args.out is not None:
