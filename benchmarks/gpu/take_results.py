@@ -1,0 +1,162 @@
+"""Issue #9's device call, brought home: run_on_device.sh's $OUT (the device tool's `files_at`)
+into benchmarks/results under the GPU's name, and the kernel grid set beside the same GPU kind's
+previous run.
+
+  .venv/bin/python benchmarks/gpu/take_results.py <files_at> --gpu h100 [--out benchmarks/results]
+
+Each table of results.tar.gz lands as <stem>_<gpu>.<ext> (kernel_cuda_gpu_h100.md, ...). A file of
+that name from an earlier run is kept as <stem>_<gpu>_<its commit>.<ext>, and the two kernel grids
+are set side by side in kernel_cuda_gpu_<gpu>_runs.md: per point our op and FlashInfer decode in
+each run. The two runs are minutes apart on two machines of one kind, not side by side in one run,
+so FlashInfer's own change between them is printed as the yardstick: a change of ours well past
+FlashInfer's is the kernel's, one within it may be the machine's.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import shutil
+import statistics
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# results.tar.gz path (no extension) -> stem in benchmarks/results (before _<gpu>)
+TABLES = {"bench/kernel_cuda_gpu": "kernel_cuda_gpu", "bench/kernel_cuda_goals": "kernel_cuda_goals",
+          "bench/kernel_cuda": "kernel_cuda", "bench/tpot_cuda": "tpot_cuda",
+          "bench/tpot_cuda_serve": "tpot_cuda_serve", "ncu": "ncu"}
+EXTS = (".md", ".csv", ".png")
+COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
+SUMMARY_COMMIT = re.compile(r"^== summary \([^,]+, ([0-9a-f]{7,40})\)", re.M)
+
+
+def commit_of(md: Path) -> str | None:
+    """The tree a result file was measured on, from its provenance line (`commit 2e01a0f`)."""
+    found = COMMIT.search(md.read_text(errors="replace")) if md.exists() else None
+    return found.group(1)[:7] if found else None
+
+
+def place(src: Path, dest: Path, old_commit: str | None, moved: list[str]) -> None:
+    """src to dest; an earlier dest that differs is kept under its commit first."""
+    if dest.exists() and dest.read_bytes() != src.read_bytes():
+        keep = dest.with_name(f"{dest.stem}_{old_commit or 'earlier'}{dest.suffix}")
+        if not keep.exists():
+            dest.rename(keep)
+            moved.append(f"{dest.name} -> {keep.name}")
+    shutil.copyfile(src, dest)
+
+
+def read_grid(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with path.open(newline="") as f:
+        return {(r["grid"], r["point"]): r for r in csv.DictReader(f)}
+
+
+def number(text: str | None) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if value == value and value > 0 else None     # nan / 0: not measured
+
+
+def ratio(new: float | None, old: float | None) -> float | None:
+    return new / old if new is not None and old is not None else None
+
+
+def runs_table(old_csv: Path, new_csv: Path, old_commit: str, new_commit: str, gpu: str) -> str:
+    """The two runs' grids point by point: ours and FlashInfer decode (eager), new / old each."""
+    old, new = read_grid(old_csv), read_grid(new_csv)
+    fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"       # noqa: E731
+    lines = [f"# The kernel grid on the {gpu.upper()}: run {new_commit} against run {old_commit}", "",
+             "`benchmarks/gpu/take_results.py`: the two runs' `kernel_cuda_gpu_*.csv`, eager µs (CUDA "
+             "events, cold L2, medians). Two device calls on two machines of one kind, not one run: "
+             "FlashInfer decode's new / old is the yardstick of what the machine alone changed.", "",
+             "| grid | point | ours µs old | ours µs new | ours new/old | FI decode µs old | "
+             "FI decode µs new | FI new/old | % roofline new |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ours_ratios, fi_ratios = [], []
+    for key in new:
+        if key not in old:
+            continue
+        o, n = old[key], new[key]
+        ours = ratio(number(n.get("ours_us")), number(o.get("ours_us")))
+        fi = ratio(number(n.get("fi_decode_us")), number(o.get("fi_decode_us")))
+        if ours is not None:
+            ours_ratios.append(ours)
+        if fi is not None:
+            fi_ratios.append(fi)
+        lines.append(f"| {key[0]} | {key[1]} | {fmt(number(o.get('ours_us')))} | "
+                     f"{fmt(number(n.get('ours_us')))} | {fmt(ours, 3)} | "
+                     f"{fmt(number(o.get('fi_decode_us')))} | {fmt(number(n.get('fi_decode_us')))} | "
+                     f"{fmt(fi, 3)} | {fmt(number(n.get('pct_roofline')))} |")
+    only = sorted(set(new) ^ set(old))
+    median = lambda xs: fmt(statistics.median(xs), 3) if xs else "–"   # noqa: E731
+    lines += ["", f"Points in both runs: {len(ours_ratios)}; median new/old: ours {median(ours_ratios)}, "
+              f"FlashInfer decode {median(fi_ratios)}."]
+    if only:
+        lines.append("In one run only: " + ", ".join(f"{g} {p}" for g, p in only) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def take(files_at: Path, gpu: str, out: Path) -> list[str]:
+    """Places every table of the call's results.tar.gz; returns what it did, a line each."""
+    tarball = files_at / "results.tar.gz"
+    if not tarball.is_file():
+        raise SystemExit(f"{tarball}: not found (the device call's files_at holds results.tar.gz)")
+    summary = files_at / "summary.md"
+    found = SUMMARY_COMMIT.search(summary.read_text()) if summary.is_file() else None
+    done, moved = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        with tarfile.open(tarball) as tar:
+            tar.extractall(work, filter="data")
+        new_commit = found.group(1)[:7] if found else commit_of(work / "bench/kernel_cuda_gpu.md")
+        grid_csv = out / f"kernel_cuda_gpu_{gpu}.csv"
+        old_commit = commit_of(out / f"kernel_cuda_gpu_{gpu}.md")
+        old_grid = None
+        if grid_csv.exists() and (work / "bench/kernel_cuda_gpu.csv").exists():
+            old_grid = Path(tmp) / "old_grid.csv"
+            shutil.copyfile(grid_csv, old_grid)
+        for src_stem, stem in TABLES.items():
+            earlier = commit_of(out / f"{stem}_{gpu}.md") or old_commit   # before its .md is replaced
+            for ext in EXTS:
+                src = work / f"{src_stem}{ext}"
+                if src.is_file():
+                    dest = out / f"{stem}_{gpu}{ext}"
+                    place(src, dest, earlier, moved)
+                    done.append(f"{src.relative_to(work)} -> {dest.name}")
+        micro = {p.stem.removeprefix("microbench_"): json.loads(p.read_text())
+                 for p in sorted(work.glob("microbench_*.json"))}
+        if micro:
+            src = work / "tpp_microbench.json"
+            src.write_text(json.dumps(micro, indent=1) + "\n")
+            dest = out / f"tpp_microbench_{gpu}.json"
+            place(src, dest, old_commit, moved)
+            done.append(f"microbench_{{{','.join(micro)}}}.json -> {dest.name}")
+        if old_grid is not None and new_commit != old_commit:
+            runs = out / f"kernel_cuda_gpu_{gpu}_runs.md"
+            runs.write_text(runs_table(old_grid, grid_csv, old_commit or "earlier",
+                                       new_commit or "new", gpu))
+            done.append(f"run against run -> {runs.name}")
+    return done + [f"kept: {m}" for m in moved]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files_at", type=Path, help="the device call's files_at folder")
+    ap.add_argument("--gpu", required=True, help="the GPU kind's short name: h100, h200")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    a = ap.parse_args(argv)
+    if not re.fullmatch(r"[a-z0-9]+", a.gpu):
+        ap.error(f"--gpu {a.gpu!r}: a short lower-case name such as h100")
+    for line in take(a.files_at, a.gpu, a.out):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
