@@ -78,25 +78,22 @@ def runs_table(old_csv: Path, new_csv: Path, old_commit: str, new_commit: str, g
              "| grid | point | ours µs old | ours µs new | ours new/old | FI decode µs old | "
              "FI decode µs new | FI new/old | % roofline new |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    ours_ratios, fi_ratios = [], []
-    for key in new:
+    ratios = {"ours_us": [], "fi_decode_us": []}     # new / old per point, for the medians
+    for key, n in new.items():
         if key not in old:
             continue
-        o, n = old[key], new[key]
-        ours = ratio(number(n.get("ours_us")), number(o.get("ours_us")))
-        fi = ratio(number(n.get("fi_decode_us")), number(o.get("fi_decode_us")))
-        if ours is not None:
-            ours_ratios.append(ours)
-        if fi is not None:
-            fi_ratios.append(fi)
-        lines.append(f"| {key[0]} | {key[1]} | {fmt(number(o.get('ours_us')))} | "
-                     f"{fmt(number(n.get('ours_us')))} | {fmt(ours, 3)} | "
-                     f"{fmt(number(o.get('fi_decode_us')))} | {fmt(number(n.get('fi_decode_us')))} | "
-                     f"{fmt(fi, 3)} | {fmt(number(n.get('pct_roofline')))} |")
+        cells = [*key]
+        for column, column_ratios in ratios.items():
+            before, after = number(old[key].get(column)), number(n.get(column))
+            r = ratio(after, before)
+            if r is not None:
+                column_ratios.append(r)
+            cells += [fmt(before), fmt(after), fmt(r, 3)]
+        lines.append("| " + " | ".join(cells + [fmt(number(n.get("pct_roofline")))]) + " |")
     only = sorted(set(new) ^ set(old))
     median = lambda xs: fmt(statistics.median(xs), 3) if xs else "–"   # noqa: E731
-    lines += ["", f"Points in both runs: {len(ours_ratios)}; median new/old: ours {median(ours_ratios)}, "
-              f"FlashInfer decode {median(fi_ratios)}."]
+    lines += ["", f"Points in both runs: {len(ratios['ours_us'])}; median new/old: ours "
+              f"{median(ratios['ours_us'])}, FlashInfer decode {median(ratios['fi_decode_us'])}."]
     if only:
         lines.append("In one run only: " + ", ".join(f"{g} {p}" for g, p in only) + ".")
     return "\n".join(lines) + "\n"
@@ -115,12 +112,11 @@ def take(files_at: Path, gpu: str, out: Path) -> list[str]:
         with tarfile.open(tarball) as tar:
             tar.extractall(work, filter="data")
         new_commit = found.group(1)[:7] if found else commit_of(work / "bench/kernel_cuda_gpu.md")
-        grid_csv = out / f"kernel_cuda_gpu_{gpu}.csv"
+        old_grid, new_grid = out / f"kernel_cuda_gpu_{gpu}.csv", work / "bench/kernel_cuda_gpu.csv"
         old_commit = commit_of(out / f"kernel_cuda_gpu_{gpu}.md")
-        old_grid = None
-        if grid_csv.exists() and (work / "bench/kernel_cuda_gpu.csv").exists():
-            old_grid = Path(tmp) / "old_grid.csv"
-            shutil.copyfile(grid_csv, old_grid)
+        runs = None      # the two grids side by side, read before the new one replaces the old
+        if old_grid.exists() and new_grid.exists() and new_commit != old_commit:
+            runs = runs_table(old_grid, new_grid, old_commit or "earlier", new_commit or "new", gpu)
         for src_stem, stem in TABLES.items():
             earlier = commit_of(out / f"{stem}_{gpu}.md") or old_commit   # before its .md is replaced
             for ext in EXTS:
@@ -137,11 +133,9 @@ def take(files_at: Path, gpu: str, out: Path) -> list[str]:
             dest = out / f"tpp_microbench_{gpu}.json"
             place(src, dest, old_commit, moved)
             done.append(f"microbench_{{{','.join(micro)}}}.json -> {dest.name}")
-        if old_grid is not None and new_commit != old_commit:
-            runs = out / f"kernel_cuda_gpu_{gpu}_runs.md"
-            runs.write_text(runs_table(old_grid, grid_csv, old_commit or "earlier",
-                                       new_commit or "new", gpu))
-            done.append(f"run against run -> {runs.name}")
+        if runs is not None:
+            (out / f"kernel_cuda_gpu_{gpu}_runs.md").write_text(runs)
+            done.append(f"run against run -> kernel_cuda_gpu_{gpu}_runs.md")
     return done + [f"kept: {m}" for m in moved]
 
 
