@@ -100,7 +100,8 @@ IDLE = "import time; time.sleep(60)"
 def test_with_several_api_servers_the_busiest_is_sampled_and_the_client_too(tmp_path, metrics_url):
     """--api-server-count 2: the `vllm serve` process only watches its VLLM::APIServer_i
     children; the sampled share is the busiest one's (one saturated server is the limit, not the
-    sum). The `vllm bench serve` process sending to this server is sampled as client_cpu_pct."""
+    sum). The `vllm bench serve` process sending to this server is sampled as client_cpu_pct,
+    not the idle `timeout` above it (the H200's round 3 read 0 % all along)."""
     spawn = ("import subprocess, sys, time\n"
              f"for code, title in (({BUSY!r}, 'VLLM::APIServer_0'), ({IDLE!r}, 'VLLM::APIServer_1'),"
              f" ({IDLE!r}, 'VLLM::EngineCore')):\n"
@@ -108,7 +109,9 @@ def test_with_several_api_servers_the_busiest_is_sampled_and_the_client_too(tmp_
              "time.sleep(60)\n")
     serve = subprocess.Popen([sys.executable, "-c", spawn])
     base = metrics_url.rsplit("/metrics", 1)[0]
-    client = subprocess.Popen([sys.executable, "-c", BUSY, "bench", "serve", "--base-url", base])
+    # as serve_ab.sh starts it: under `timeout`, whose own command line names the URL too
+    client = subprocess.Popen(["timeout", "60", sys.executable, "-c", BUSY, "bench", "serve",
+                               "--base-url", base])
     other = subprocess.Popen([sys.executable, "-c", IDLE, "bench", "serve", "--base-url",
                               "http://127.0.0.1:1"])   # another server's client, idle
     (tmp_path / "current").write_text("prefix1x2k_c256\n")

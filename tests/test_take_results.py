@@ -120,3 +120,26 @@ def test_a_folder_without_the_tarball_is_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--gpu", "H100!"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "short lower-case name" in done.stderr
+
+
+def test_an_earlier_run_is_kept_under_the_tree_it_ran_and_never_over_a_kept_file(tmp_path):
+    """The committed H200 grid says `commit 81f9c98+changes (the tree of 3fbe78e)`, and a grid of
+    81f9c98 is kept beside it already: the earlier run goes to _3fbe78e, _81f9c98 stays as it was;
+    a kept name taken by other bytes gets _2 rather than losing either file."""
+    grid_csv, _ = _new_grid_csv()
+    files_at, out = _files_at(tmp_path, grid_csv), tmp_path / "results"
+    out.mkdir()
+    names = ("kernel_cuda_gpu_h200.md", "kernel_cuda_gpu_h200.csv", "kernel_cuda_gpu_h200_81f9c98.md",
+             "tpot_cuda_h200.md")
+    for name in names:
+        shutil.copyfile(RESULTS / name, out / name)
+    (out / "tpot_cuda_h200_3fbe78e.md").write_text("another run of that tree\n")
+    done = _module().take(files_at, "h200", out)
+    assert "kept: kernel_cuda_gpu_h200.md -> kernel_cuda_gpu_h200_3fbe78e.md" in done
+    for kept, committed in (("kernel_cuda_gpu_h200_3fbe78e.md", "kernel_cuda_gpu_h200.md"),
+                            ("kernel_cuda_gpu_h200_3fbe78e.csv", "kernel_cuda_gpu_h200.csv"),
+                            ("kernel_cuda_gpu_h200_81f9c98.md", "kernel_cuda_gpu_h200_81f9c98.md"),
+                            ("tpot_cuda_h200_3fbe78e_2.md", "tpot_cuda_h200.md")):
+        assert (out / kept).read_bytes() == (RESULTS / committed).read_bytes(), kept
+    assert (out / "tpot_cuda_h200_3fbe78e.md").read_text() == "another run of that tree\n"
+    assert "run abc1234 against run 3fbe78e" in (out / "kernel_cuda_gpu_h200_runs.md").read_text()

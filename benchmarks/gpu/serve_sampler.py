@@ -61,15 +61,13 @@ def api_servers(server) -> list:
     return titled(server, "APIServer") or [server]
 
 
-def bench_client(url: str):
-    """The `vllm bench serve` process sending to url, or None."""
+def bench_client(url: str) -> list:
+    """The processes whose command line is a `vllm bench serve` sending to url: the client and
+    the `timeout` serve_ab.sh starts it under (idle; CpuShare keeps the busiest)."""
     import psutil
 
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if url in cmd and "bench" in cmd and "serve" in cmd:
-            return proc
-    return None
+    return [proc for proc in psutil.process_iter(["cmdline"])
+            if url in (cmd := proc.info["cmdline"] or []) and "bench" in cmd and "serve" in cmd]
 
 
 class CpuShare:

@@ -30,20 +30,26 @@ TABLES = {"bench/kernel_cuda_gpu": "kernel_cuda_gpu", "bench/kernel_cuda_goals":
           "bench/kernel_cuda": "kernel_cuda", "bench/tpot_cuda": "tpot_cuda",
           "bench/tpot_cuda_serve": "tpot_cuda_serve", "ncu": "ncu"}
 EXTS = (".md", ".csv", ".png")
-COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
+# `commit 2e01a0f`, or `commit 81f9c98+changes (the tree of 3fbe78e)`: the tree is what ran
+COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})(?:\+changes \(the tree of ([0-9a-f]{7,40})\))?")
 SUMMARY_COMMIT = re.compile(r"^== summary \([^,]+, ([0-9a-f]{7,40})\)", re.M)
 
 
 def commit_of(md: Path) -> str | None:
     """The tree a result file was measured on, from its provenance line (`commit 2e01a0f`)."""
     found = COMMIT.search(md.read_text(errors="replace")) if md.exists() else None
-    return found.group(1)[:7] if found else None
+    return (found.group(2) or found.group(1))[:7] if found else None
 
 
 def place(src: Path, dest: Path, old_commit: str | None, moved: list[str]) -> None:
-    """src to dest; an earlier dest that differs is kept under its commit first."""
+    """src to dest; an earlier dest that differs is kept under its commit first (never over
+    another kept file: a second one of that name gets _2, _3, ...)."""
     if dest.exists() and dest.read_bytes() != src.read_bytes():
-        keep = dest.with_name(f"{dest.stem}_{old_commit or 'earlier'}{dest.suffix}")
+        base, n = f"{dest.stem}_{old_commit or 'earlier'}", 1
+        keep = dest.with_name(base + dest.suffix)
+        while keep.exists() and keep.read_bytes() != dest.read_bytes():
+            n += 1
+            keep = dest.with_name(f"{base}_{n}{dest.suffix}")
         if not keep.exists():
             dest.rename(keep)
             moved.append(f"{dest.name} -> {keep.name}")
