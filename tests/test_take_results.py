@@ -1,6 +1,6 @@
 """benchmarks/gpu/take_results.py: a device call's results land under the GPU's name, the earlier
 run's files are kept under their commit, and the two grids are set side by side with FlashInfer's
-own change as the yardstick. The earlier run is the H100's committed grid (commit 2e01a0f)."""
+own change as the yardstick. The earlier run is the H100's committed grid."""
 from __future__ import annotations
 
 import csv
@@ -66,35 +66,42 @@ def _files_at(tmp: Path, grid_csv: str) -> Path:
     return files_at
 
 
+OLD = "2e01a0f"
+
+
 def _results_dir(tmp: Path) -> Path:
+    """The results folder before the call: the committed H100 grid and microbench, and .md files
+    whose provenance names commit OLD (a later H100 run may replace the committed ones)."""
     out = tmp / "results"
     out.mkdir()
-    for name in ("kernel_cuda_gpu_h100.md", "kernel_cuda_gpu_h100.csv", "tpot_cuda_h100.md",
-                 "ncu_h100.md", "tpp_microbench_h100.json"):
+    for name in ("kernel_cuda_gpu_h100.csv", "tpp_microbench_h100.json"):
         shutil.copyfile(RESULTS / name, out / name)
+    for name in ("kernel_cuda_gpu_h100.md", "tpot_cuda_h100.md", "ncu_h100.md"):
+        (out / name).write_text(f"# {name}\nDevice: NVIDIA H100; commit {OLD}; wall 19 s\n")
     return out
 
 
 def test_a_call_lands_under_the_gpu_name_and_keeps_the_earlier_run(tmp_path):
     grid_csv, old_point = _new_grid_csv()
     files_at, out = _files_at(tmp_path, grid_csv), _results_dir(tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     done = subprocess.run([sys.executable, str(SCRIPT), str(files_at), "--gpu", "h100", "--out", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert (out / "kernel_cuda_gpu_h100.csv").read_bytes() == grid_csv.encode()
     assert NEW in (out / "kernel_cuda_gpu_h100.md").read_text()
-    # the earlier run's files, under the commit their own provenance names (2e01a0f)
-    for name in ("kernel_cuda_gpu_h100_2e01a0f.md", "kernel_cuda_gpu_h100_2e01a0f.csv",
-                 "tpot_cuda_h100_2e01a0f.md", "ncu_h100_2e01a0f.md", "tpp_microbench_h100_2e01a0f.json"):
-        committed = RESULTS / name.replace("_2e01a0f", "")
-        assert (out / name).read_bytes() == committed.read_bytes(), name
+    # the earlier run's files, under the commit their own provenance names
+    for name in ("kernel_cuda_gpu_h100.md", "kernel_cuda_gpu_h100.csv", "tpot_cuda_h100.md",
+                 "ncu_h100.md", "tpp_microbench_h100.json"):
+        kept = out / name.replace("_h100", f"_h100_{OLD}")
+        assert kept.read_bytes() == before[name], kept.name
     micro = json.loads((out / "tpp_microbench_h100.json").read_text())
     assert micro == {"bfloat16": {"results": [{"shape": "a", "tpp_us": 2.0}]},
                      "float16": {"results": [{"shape": "a", "tpp_us": 1.0}]}}
     assert (out / "ncu_h100.md").read_text() == "| point | kernel |\n"
 
     runs = (out / "kernel_cuda_gpu_h100_runs.md").read_text()
-    assert f"run {NEW} against run 2e01a0f" in runs
+    assert f"run {NEW} against run {OLD}" in runs
     row = next(line for line in runs.splitlines() if line.startswith(f"| {POINT[0]} | {POINT[1]} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     old_ours, old_fi = float(old_point["ours_us"]), float(old_point["fi_decode_us"])
@@ -123,23 +130,27 @@ def test_a_folder_without_the_tarball_is_a_clear_error(tmp_path):
 
 
 def test_an_earlier_run_is_kept_under_the_tree_it_ran_and_never_over_a_kept_file(tmp_path):
-    """The committed H200 grid says `commit 81f9c98+changes (the tree of 3fbe78e)`, and a grid of
-    81f9c98 is kept beside it already: the earlier run goes to _3fbe78e, _81f9c98 stays as it was;
+    """The H200's grid of 3fbe78e says `commit 81f9c98+changes (the tree of 3fbe78e)`, with a grid
+    of 81f9c98 kept beside it: as the results folder stood before the tenth session's call, whose
+    import had overwritten that grid. The earlier run goes to _3fbe78e, _81f9c98 stays as it was;
     a kept name taken by other bytes gets _2 rather than losing either file."""
     grid_csv, _ = _new_grid_csv()
     files_at, out = _files_at(tmp_path, grid_csv), tmp_path / "results"
     out.mkdir()
-    names = ("kernel_cuda_gpu_h200.md", "kernel_cuda_gpu_h200.csv", "kernel_cuda_gpu_h200_81f9c98.md",
-             "tpot_cuda_h200.md")
-    for name in names:
-        shutil.copyfile(RESULTS / name, out / name)
+    committed = {"kernel_cuda_gpu_h200.md": "kernel_cuda_gpu_h200_3fbe78e.md",
+                 "kernel_cuda_gpu_h200.csv": "kernel_cuda_gpu_h200_3fbe78e.csv",
+                 "kernel_cuda_gpu_h200_81f9c98.md": "kernel_cuda_gpu_h200_81f9c98.md",
+                 "tpot_cuda_h200.md": "tpot_cuda_h200_3fbe78e.md"}
+    for name, source in committed.items():
+        shutil.copyfile(RESULTS / source, out / name)
     (out / "tpot_cuda_h200_3fbe78e.md").write_text("another run of that tree\n")
     done = _module().take(files_at, "h200", out)
     assert "kept: kernel_cuda_gpu_h200.md -> kernel_cuda_gpu_h200_3fbe78e.md" in done
-    for kept, committed in (("kernel_cuda_gpu_h200_3fbe78e.md", "kernel_cuda_gpu_h200.md"),
-                            ("kernel_cuda_gpu_h200_3fbe78e.csv", "kernel_cuda_gpu_h200.csv"),
-                            ("kernel_cuda_gpu_h200_81f9c98.md", "kernel_cuda_gpu_h200_81f9c98.md"),
-                            ("tpot_cuda_h200_3fbe78e_2.md", "tpot_cuda_h200.md")):
-        assert (out / kept).read_bytes() == (RESULTS / committed).read_bytes(), kept
+    for kept, name in (("kernel_cuda_gpu_h200_3fbe78e.md", "kernel_cuda_gpu_h200.md"),
+                       ("kernel_cuda_gpu_h200_3fbe78e.csv", "kernel_cuda_gpu_h200.csv"),
+                       ("kernel_cuda_gpu_h200_81f9c98.md", "kernel_cuda_gpu_h200_81f9c98.md"),
+                       ("tpot_cuda_h200_3fbe78e_2.md", "tpot_cuda_h200.md")):
+        committed_bytes = (RESULTS / committed[name]).read_bytes()
+        assert (out / kept).read_bytes() == committed_bytes, kept
     assert (out / "tpot_cuda_h200_3fbe78e.md").read_text() == "another run of that tree\n"
     assert "run abc1234 against run 3fbe78e" in (out / "kernel_cuda_gpu_h200_runs.md").read_text()
