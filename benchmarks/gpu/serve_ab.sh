@@ -50,9 +50,12 @@ PAIR_GPU_UTIL=${PAIR_GPU_UTIL:-0.40}
 # delivered too: the front end, not the engine, may set both. A stream message every 8th token
 # (the first at once): 8 times fewer messages for the API server and the one-process client (on
 # CPU the API server's CPU a token halved); TPOT and output tok/s are measured the same way.
-# Not --api-server-count N: with more than one, vLLM 0.32 turns its logging stat loggers off,
-# and with them the per-step log the report's engine steps come from (the sampler reads the
-# busiest of N if a round adds it).
+# That was not enough: the H200's first pair (rounds 3-4, prefix1x2k_c256) still had the one
+# API server at 100-107 % in both systems, ~7.8K tokens/s, CUSTOM's GPU idle 3-4 s a wave while
+# it drained, 1.01x at the client for an engine 1.35x faster (gpu_h200.md). The next pair adds
+# --api-server-count 4 (FRONTEND_ARGS="--stream-interval 8 --api-server-count 4"); vLLM 0.32
+# then turns its logging stat loggers off, and with them the per-step log the report's engine
+# steps come from (the engine ITL stays; the sampler reads the busiest of the N).
 # FRONTEND_ARGS= (empty) serves as rounds 1-2 did.
 FRONTEND_ARGS=${FRONTEND_ARGS---stream-interval 8}
 eval "$(bash benchmarks/gpu/install_bundle.sh env)"
