@@ -299,7 +299,7 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     assert md.count("\n| b=4 P=64 S=20 |") == 1 and (tmp_path / "kernel_cpu_smoke.png").exists()
     assert "- smoke b=4 P=64 S=20: the op's choice " in md
     assert "## Private-tail KV splits" in md and "- smoke b=4 nothing shared: the op's choice " in md
-    assert "## Final launch's KV stage: 64 tokens (default) against 32" in md
+    assert "## Final launch's KV stage: 32 tokens (default) against 64" in md
 
 
 def test_a_wrong_contender_is_not_timed_and_wrong_ours_fails_the_run(tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ def test_a_stages_block_id_loads_issue_together_before_its_copies(tmp_path):
     runs = longest_id_load_runs(sass)
     # A thread copies (stage tokens x head_size / 8 chunks) / 128 threads tokens a stage: the
     # partial kernels stage 64 tokens at head 64 and 128, 32 at 256; the final kernels the
-    # same, or 32 with CHUNKATTN_FINAL_STAGE_TOKENS=32 (tpp_params.cuh).
+    # same (CHUNKATTN_FINAL_STAGE_TOKENS=64), or 32, their default (tpp_params.cuh).
     expect = {("partial", 64, None): 4, ("partial", 128, None): 8, ("partial", 256, None): 8,
               ("final", 64, 64): 4, ("final", 64, 32): 2, ("final", 128, 64): 8,
               ("final", 128, 32): 4, ("final", 256, 32): 8}

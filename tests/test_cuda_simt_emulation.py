@@ -322,31 +322,32 @@ FINAL_SMEM = {(64, 64): 768 + 16 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 39,936
                                   ("system_prompts", 64, (3, 2))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_final_launch_in_compact_stages(emu, splits, monkeypatch, case, dtype, at_issue):
-    # CHUNKATTN_FINAL_STAGE_TOKENS=32: the final launch streams split 0 of each tail in stages of
-    # 32 tokens (2 of its 4 warps per stage) inside split bounds laid out in 64-token stages, and
-    # lists its slots in the smaller smem; the same results, in the smem worked out by hand.
+    # By default the final launch streams split 0 of each tail in stages of 32 tokens (2 of its 4
+    # warps per stage) inside split bounds laid out in 64-token stages, and lists its slots in the
+    # smaller smem; CHUNKATTN_FINAL_STAGE_TOKENS=64 keeps the partial launch's stage. The same
+    # results, in the smem worked out by hand.
     spec, head_size, forced = case
     b = batch(spec, seed=9, num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
               dtype=dtype)
     plan = plan_of(b)
     splits(*forced)
     spare = split_spare_slots(plan, b.query.shape[0], *forced)
-    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "32")
+    monkeypatch.delenv("CHUNKATTN_FINAL_STAGE_TOKENS", raising=False)   # the default
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
     assert emu.last_launch()[3] == FINAL_SMEM[(head_size, 32)]
-    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "0")        # any other value: the default
+    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "64")
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
     assert emu.last_launch()[3] == FINAL_SMEM[(head_size, 64)]
 
 
-def test_compact_final_stages_merge_slots_in_batches(emu, splits, monkeypatch):
-    # The compact final stage's slot list (2,464 at head 128) with a forced short one, as
-    # test_a_final_cta_merges_its_slots_in_batches does for the default stage.
+def test_the_64_token_final_stage_merges_slots_in_batches(emu, splits, monkeypatch):
+    # The 64-token final stage (CHUNKATTN_FINAL_STAGE_TOKENS=64) with a forced short slot list,
+    # as test_a_final_cta_merges_its_slots_in_batches does for the default, compact stage.
     b = batch("deep_tree", seed=6, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
               dtype=torch.bfloat16)
     plan = plan_of(b)
     splits(16, 4)
-    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "32")
+    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "64")
     monkeypatch.setenv("CHUNKATTN_SLOT_LIST_CAP", "3")
     spare = split_spare_slots(plan, b.query.shape[0], 16, 4)
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
@@ -358,7 +359,7 @@ def test_head_256_has_one_final_stage_whatever_the_knob(emu, monkeypatch):
               block_size=16, dtype=torch.float16)
     plan = plan_of(b)
     want = 768 + 16 * 264 * 2 + 2 * 2 * 32 * 264 * 2
-    for knob in ("32", "0"):
+    for knob in ("64", "0"):
         monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", knob)
         assert_matches_reference(b, plan, *run(emu, b, plan))
         assert emu.last_launch()[3] == want

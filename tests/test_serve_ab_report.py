@@ -225,6 +225,21 @@ def test_committed_calls_with_gzipped_server_logs_give_the_same_report(tmp_path,
     assert (out / "ab_gpu_test.md").read_text() == report[2]
 
 
+def test_a_pairs_rounds_read_their_systems_one_log(tmp_path, report):
+    """serve_ab.sh pair writes one server_<system>.log for both rounds of a system (gzipped when
+    committed); each round reads it as it would its own: the same report."""
+    root = tmp_path / "pair"
+    root.mkdir()
+    calls = [_call(root, s, r) for s, r in RUNS]
+    for log in root.glob("call_*/server_*-r*.log"):
+        system = log.name.split("_")[1].split("-")[0]
+        log.with_name(f"server_{system}.log.gz").write_bytes(gzip.compress(log.read_bytes()))
+        log.unlink()
+    out = tmp_path / "out"
+    assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
+    assert (out / "ab_gpu_test.md").read_text() == report[2]
+
+
 def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     """prefix1x2k (i = 1): custom's requests got 7 + 256 messages for 512 tokens, stock's 512;
     the API server's CPU is the mean of its samples while requests ran, 50 and 70 -> 60 (the
@@ -243,7 +258,7 @@ def test_streaming_section_tokens_per_message_and_api_server_cpu(report):
     # engine core (90, 100) and GPU busy (stock 98, 100; custom 70, 80): round 1's means, the
     # only round that sampled them (custom's round 2 lost requests anyway)
     assert ("| prefix1x2k | 9.0 | 5.0 | 1.0 | 1.9 | 0.30 | 0.01 | 60.0 | 60.0 | 95.0 | 95.0 | 99.0 "
-            "| 75.0 | 1.80 |\n") in md          # engine ITL first; the engines' ratio last, 9 / 5
+            "| 75.0 | 0.0 | 0.0 | 1.80 |\n") in md   # engine ITL first; the engines' ratio last, 9 / 5
     assert "| stock GPU busy % | custom GPU busy % |" in md
     assert serve_ab_report.tokens_per_message({"output_lens": [4]}) != 0   # nan: no itls saved
 
@@ -260,6 +275,23 @@ def test_load_samples_average_per_round_and_combine_over_the_rounds_that_have_th
     (row,) = serve_ab_report.combine(nums)
     assert row["gpu_busy_pct"] == pytest.approx(99) and row["rounds"] == 2
     assert row["output_tok_s"] == 1050                                           # both rounds
+
+
+def test_gpu_idle_samples_are_the_share_at_zero_busy_while_requests_ran():
+    # The H200 pair's CUSTOM waves: the GPU at 0 % for seconds while requests still ran (a
+    # backlog streaming out); samples before the first request are not counted.
+    kv = "\n".join(["1.0 w vllm:num_requests_running 0", "1.0 w gpu_busy_pct 0",
+                    "2.0 w vllm:num_requests_running 256", "2.0 w gpu_busy_pct 0",
+                    "3.0 w vllm:num_requests_running 256", "3.0 w gpu_busy_pct 100",
+                    "4.0 w vllm:num_requests_running 256", "4.0 w gpu_busy_pct 3",
+                    "5.0 w vllm:num_requests_running 1", "5.0 w gpu_busy_pct 0",
+                    "6.0 w vllm:num_requests_running 256"]) + "\n"   # no GPU sample: not counted
+    load = serve_ab_report.load_while_serving(kv)
+    assert load[("w", "gpu_idle_pct")] == 50.0
+    assert load[("w", "gpu_busy_pct")] == pytest.approx(103 / 4)
+    rows = [dict(system="custom", workload="w", tokens_per_message=8.0, longest_silence_s=0.3,
+                 gpu_busy_pct=load[("w", "gpu_busy_pct")], gpu_idle_pct=load[("w", "gpu_idle_pct")])]
+    assert "| w | 8.0 | 0.30 | 25.8 | 50.0 |" in serve_ab_report.streaming_section(rows, ["custom"])
 
 
 def test_streaming_columns_no_round_sampled_are_left_out():

@@ -77,7 +77,7 @@ MUTATIONS = [
      "      if (x != int(blockIdx.x)) __syncthreads();", ""),
     ("the final merge counts the host's splits, not the launch's",
      "(k1 - k0) * cs.splits", "(k1 - k0) * p.chunk_splits"),
-    ("CHUNKATTN_FINAL_STAGE_TOKENS=32 never picks the compact final kernel",
+    ("the final launch never picks the compact (default) final kernel",
      "if (p.final_stage_tokens == kCompactFinalTokens) return f(", "if (false) return f("),
     ("the compact final kernel streams in the default stage's smem layout",
      "attend_tile<T, D, 1, true, TOKENS>(", "attend_tile<T, D, 1, true>("),

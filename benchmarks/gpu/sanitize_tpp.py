@@ -20,14 +20,14 @@ from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 # (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad,
 # final stage): pad True: empty nodes added; "capacity": padded as for a CUDA graph
 # (plan_capacity.py) with the splits left to the op (0, 0), so a padded plan's CTAs choose them
-# (tpp_params.cuh), in the workspace the backend gives graphs. Final stage 32: the final launch's
-# compact stage (CHUNKATTN_FINAL_STAGE_TOKENS; 0: the default).
+# (tpp_params.cuh), in the workspace the backend gives graphs. Final stage 64: the final launch
+# in the partial launch's stage (CHUNKATTN_FINAL_STAGE_TOKENS; 0: the default, compact stage).
 CASES = [
     ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False, 0),
     ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False, 0),
     ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True, 0),
     ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", 0),
-    ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, 32),
+    ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, 64),
 ]
 
 

@@ -12,7 +12,10 @@
 # a start is 95-145 s of device time on an H100.
 # Needs `install_bundle.sh install` done on this warm machine. $OUT gets, per round,
 # summary_<tag>.md, server_<tag>.log and results_<tag>.tar.gz (bench JSONs, bench logs, load
-# samples); tag = <system>-r<round> (ROUND=1 by default).
+# samples); tag = <system>-r<round> (ROUND=1 by default). A pair's rounds share their server:
+# server_<system>.log once (the report reads it for each round) and one summary.md, so a pair
+# returns 7 files, under the device tool's 8 (with a log and a summary a round, 12: the
+# summaries did not come back).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 MODE=${1:?stock, custom or pair}; shift
@@ -157,7 +160,7 @@ start_server() {
         --enable-logging-iteration-details)
   if [ "$MODE" = pair ]; then
     args+=(--gpu-memory-utilization "$PAIR_GPU_UTIL" --kv-cache-memory-bytes "$PAIR_KV_BYTES")
-    LOG[$s]=$OUT/server_$s.log               # both rounds': copied to each round's name at the end
+    LOG[$s]=$OUT/server_$s.log               # both rounds'
   else
     args+=(--gpu-memory-utilization 0.90)
     LOG[$s]=$OUT/server_$s-r$R.log
@@ -295,21 +298,19 @@ for run in "${RUNS[@]}"; do
   s=${run%:*}; tag=${run/:/-r}; work=/tmp/serve_ab/$tag
   cp "${HOME_DIR[$s]}"/* "$work/" 2> /dev/null   # the server's: each round reads its own runs
   rm -f "$work/current"
-  [ "${LOG[$s]}" = "$OUT/server_$tag.log" ] || cp "${LOG[$s]}" "$OUT/server_$tag.log"
+  slog=${LOG[$s]} sec=$work/summary.md
   # The same rows as the A/B report (python -m vllm_chunkattn.bench.serve_ab_report), per round.
-  $PY -m vllm_chunkattn.bench.serve_ab_report --summary "$work" "$OUT/server_$tag.log" "$tag" \
-    > "$OUT/summary_$tag.md"
-  grep -m1 "kernel=" "$OUT/server_$tag.log" >> "$OUT/summary_$tag.md"
+  $PY -m vllm_chunkattn.bench.serve_ab_report --summary "$work" "$slog" "$tag" > "$sec"
+  grep -m1 "kernel=" "$slog" >> "$sec"
   # Which CUDA graphs were captured (FULL decode graphs include CUSTOM's attention) and whether
   # async scheduling stayed on (vLLM's GPU default; the flag must leave it alone): vLLM 0.32 logs
   # neither that nor the model runner unless V2, so CUSTOM's tree scheduler says it.
-  { grep -oE "Capturing CUDA graphs \([^)]*\)" "$OUT/server_$tag.log" | sort -u
-    grep -oE "cudagraph_mode[^,]*|async scheduling (on|off)|Using V2 Model Runner" \
-      "$OUT/server_$tag.log" | sort -u
-  } >> "$OUT/summary_$tag.md"
-  grep -m1 "KV cache size" "$OUT/server_$tag.log" >> "$OUT/summary_$tag.md"
+  { grep -oE "Capturing CUDA graphs \([^)]*\)" "$slog" | sort -u
+    grep -oE "cudagraph_mode[^,]*|async scheduling (on|off)|Using V2 Model Runner" "$slog" | sort -u
+  } >> "$sec"
+  grep -m1 "KV cache size" "$slog" >> "$sec"
   tar -czf "$OUT/results_$tag.tar.gz" -C "$work" .
-  cat "$OUT/summary_$tag.md"
+  if [ "$MODE" = pair ]; then cat "$sec" >> "$OUT/summary.md"; else cp "$sec" "$OUT/summary_$tag.md"; fi
+  cat "$sec"
 done
-[ "$MODE" != pair ] || for s in "${SYSTEMS[@]}"; do rm -f "${LOG[$s]}"; done
 [ "$DIED" = 0 ] || { echo "$DIED server(s) died at start: see server_<system>.log"; exit 1; }

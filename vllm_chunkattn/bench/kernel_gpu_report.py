@@ -109,11 +109,11 @@ SWEEPS = (  # row column, section title, what was forced
      "final launch, splits 1.. in the partial one. The host code picks the tails' splits by "
      "the same wave rule; here our op (eager) is also timed with CHUNKATTN_SEQ_SPLITS forced "
      "(up to 9: the workspace's spare rows)."),
-    ("final_sweep_us", "Final launch's KV stage: 64 tokens (default) against 32",
-     "The final launch streams its private tails in smem stages of 64 tokens at head <= 128 (73 KB "
-     "of smem at head 128: 3 CTAs an SM); CHUNKATTN_FINAL_STAGE_TOKENS=32 halves them (40 KB, "
-     "128 registers: 4 CTAs an SM, half the warps splitting a stage). Both timed side by side "
-     "(eager); the forced counts below are the stage sizes."),
+    ("final_sweep_us", "Final launch's KV stage: 32 tokens (default) against 64",
+     "The final launch streams its private tails in smem stages of 32 tokens (40 KB of smem at "
+     "head 128, 128 registers: 4 CTAs an SM, half the warps splitting a stage); "
+     "CHUNKATTN_FINAL_STAGE_TOKENS=64 takes the partial launch's 64 at head <= 128 (73 KB: 3 CTAs "
+     "an SM). Both timed side by side (eager); the forced counts below are the stage sizes."),
 )
 
 

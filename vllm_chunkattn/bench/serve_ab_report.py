@@ -40,7 +40,7 @@ NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", 
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
            "longest_silence_s", "api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct",
-           "gpu_busy_pct", "engine_itl_ms", "kv_bound_tokens", "steps", "mean_step_ms",
+           "gpu_busy_pct", "gpu_idle_pct", "engine_itl_ms", "kv_bound_tokens", "steps", "mean_step_ms",
            "decode_wait_ms", "step_peak_kv_tokens")
 # serve_sampler.py's load samples: a workload's mean of each while requests ran goes into its row.
 LOAD = ("api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
@@ -85,6 +85,11 @@ def load_while_serving(kv_tsv: str) -> dict[tuple[str, str], float]:
             for key in LOAD:
                 if key in values:
                     seen.setdefault((workload, key), []).append(values[key])
+            # GPU idle: no kernel ran in the whole sample while requests counted as running (the
+            # H200 pair's CUSTOM waves: seconds of it while one API server streamed a backlog).
+            if "gpu_busy_pct" in values:
+                seen.setdefault((workload, "gpu_idle_pct"), []).append(
+                    100.0 * (values["gpu_busy_pct"] == 0))
     return {k: statistics.mean(v) for k, v in seen.items()}
 
 
@@ -198,7 +203,7 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
                    longest_silence_s=longest_silence_s(res),
                    kv_bound_tokens=kv_bound_tokens(res, shape),
                    **serve_steps.step_stats(steps.get(name, []), res.get("duration", 0), capacity))
-        for key in LOAD:
+        for key in (*LOAD, "gpu_idle_pct"):
             row[key] = load.get((name, key), math.nan)
         counters = run / f"{workload}.counters"
         text = counters.read_text() if counters.exists() else ""
@@ -216,9 +221,11 @@ def server_log(path: Path) -> str:
 
 
 def call_log(tarball: Path) -> str:
-    """The server log beside a call's results_<system>-r<round>.tar.gz."""
+    """The server log beside a call's results_<system>-r<round>.tar.gz: the round's own, or the
+    system's, which a pair's two rounds share (serve_ab.sh)."""
     system, rnd = TAG_RE.search(tarball.name).groups()
-    return server_log(tarball.with_name(f"server_{system}-r{rnd}.log"))
+    return (server_log(tarball.with_name(f"server_{system}-r{rnd}.log"))
+            or server_log(tarball.with_name(f"server_{system}.log")))
 
 
 def read_call(tarball: Path, work: Path) -> list[dict]:
@@ -280,7 +287,8 @@ def combine(rounds: list[dict]) -> list[dict]:
 STREAM_COLUMNS = {"engine_itl_ms": "engine ITL ms",
                   "tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
                   "api_server_cpu_pct": "API server CPU %", "client_cpu_pct": "client CPU %",
-                  "engine_core_cpu_pct": "engine core CPU %", "gpu_busy_pct": "GPU busy %"}
+                  "engine_core_cpu_pct": "engine core CPU %", "gpu_busy_pct": "GPU busy %",
+                  "gpu_idle_pct": "GPU idle samples %"}
 
 
 def streaming_section(rows: list[dict], systems: list[str]) -> str:
@@ -318,7 +326,9 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
                       "serve` process's and the EngineCore's CPU use (100 = one core: a GIL-bound "
                       "process near 100 is saturated; the engine core also spins while it waits "
                       "for the GPU); GPU busy = NVML's share of time with a kernel running; each "
-                      "the mean of the samples (every 0.25 s) taken while requests were running.",
+                      "the mean of the samples (every 0.25 s) taken while requests were running; "
+                      "GPU idle samples = the share of those samples with GPU busy 0 (no kernel "
+                      "in the sample's whole period).",
                       "",
                       ab_report._table(head, body)]) + "\n"
 
