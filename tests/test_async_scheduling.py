@@ -19,9 +19,10 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from vllm_chunkattn.plugin.namespace import request_namespace
 from vllm_chunkattn.plugin.scheduler import ChunkAttnAsyncScheduler
 from vllm_chunkattn.tree import PENDING
 from vllm_runs import tiny_model
@@ -30,8 +31,9 @@ pytestmark = pytest.mark.vllm
 BS, NUM_BLOCKS = 16, 48
 
 
-def make_scheduler(cls, monkeypatch):
-    monkeypatch.setenv("CHUNKATTN_PREFIX_AWARE_SCHEDULING", "0")   # FCFS in both: same order
+def make_scheduler(cls, monkeypatch, prefix_aware: bool = False):
+    # FCFS in both by default: the same order
+    monkeypatch.setenv("CHUNKATTN_PREFIX_AWARE_SCHEDULING", "1" if prefix_aware else "0")
     monkeypatch.setenv("CHUNKATTN_DEBUG_TREE", "1")                # invariants every step
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="float32"),
                         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
@@ -127,3 +129,38 @@ def test_async_scheduling_with_the_tree_matches_stock(monkeypatch):
     assert t2["hits"] == s2["hits"]
     # The second turn's hits reach into the first turn's decoded (once pending) tokens.
     assert all(t2["hits"][f"b{i}"] > len(first[i][1]) for i in range(len(first))), t2["hits"]
+
+
+def test_prefix_aware_admission_orders_by_tree_match_from_the_last_steps_matches(monkeypatch):
+    """Waiting requests go longest tree match first, then those sharing a first chunk together;
+    each step extends a request's match of the step before (tree.match_prefix's `previous`),
+    which stays what a match from the root gives as the tree's chunks are released and evicted."""
+    sched = make_scheduler(ChunkAttnAsyncScheduler, monkeypatch, prefix_aware=True)
+    sys_a, sys_b = [3 + k for k in range(3 * BS)], [500 + k for k in range(BS)]
+    running = Request("run", sys_a + [7] * 5, SamplingParams(max_tokens=4), None)
+    sched.add_request(running)
+    sched.schedule()                                    # admitted: sys_a's 3 chunks listed
+    prompts = {"w0": sys_b + [9] * 4, "w1": sys_a[:BS] + [8] * 4, "w2": sys_a + [6] * 4,
+               "w4": [900 + k for k in range(BS + 2)], "w3": sys_b + [10] * 4}
+    for rid, prompt in prompts.items():                 # arrival order: w0 w1 w2 w4 w3
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=4), None))
+
+    def order_and_check() -> list[str]:
+        sched._order_waiting()
+        for r in sched.waiting:
+            assert sched._matches[r.request_id] == sched.tree.match_prefix(
+                r.all_token_ids, request_namespace(r), r.num_tokens - 1), r.request_id
+        return [r.request_id for r in sched.waiting]
+
+    # 3 chunks matched, 1, then no match: w0 with w3 (first chunk sys_b), then w4
+    assert order_and_check() == ["w2", "w1", "w0", "w3", "w4"]
+    assert [len(sched._matches[r]) for r in ("w2", "w1", "w0")] == [3, 1, 0]
+    assert order_and_check() == ["w2", "w1", "w0", "w3", "w4"]       # from the kept matches
+    sched.finish_requests("run", RequestStatus.FINISHED_ABORTED)    # sys_a's chunks: cached
+    assert order_and_check() == ["w2", "w1", "w0", "w3", "w4"]
+    sched.tree.evict(1)                                 # the leaf: sys_a's third chunk
+    assert order_and_check() == ["w2", "w1", "w0", "w3", "w4"]
+    assert [len(sched._matches[r]) for r in ("w2", "w1")] == [2, 1]
+    sched.tree.evict(2)                                 # nothing of sys_a is left
+    assert order_and_check() == ["w2", "w1", "w0", "w3", "w4"]       # ties keep their order
+    assert all(not m for m in sched._matches.values())

@@ -291,6 +291,46 @@ def test_split_namespace_shares_only_the_chunks_before_the_split():
     tree.check_invariants()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_match_extended_from_the_last_one_is_the_match_from_scratch(seed):
+    """The scheduler re-matches each waiting request every step from its previous match
+    (`previous`): through admissions, decode growth, releases, evictions (a small pool) and
+    resets, the result is always what a match from the root gives."""
+    rng = random.Random(seed)
+    tree = make_tree(num_blocks=24)
+    stems = [tokens(3 * BLOCK_SIZE, start=100 * i) for i in range(3)]
+
+    def prompt() -> list[int]:
+        stem = rng.choice(stems)[:rng.randrange(0, 3 * BLOCK_SIZE + 1)]
+        return stem + [rng.randrange(1000, 1003) for _ in range(rng.randrange(0, 2 * BLOCK_SIZE))]
+
+    waiting = [(prompt(), rng.choice([None, "lora"])) for _ in range(8)]
+    previous: dict[int, list] = {}
+    live, kept, extended = [], 0, 0
+    for step in range(200):
+        op = rng.random()
+        if op < 0.35 and len(live) < 5:
+            name = f"s{step}"
+            if tree.add_sequence(name, prompt() + [7], rng.choice([None, "lora"])) is not None:
+                live.append(name)
+        elif op < 0.6 and live:
+            tree.append(rng.choice(live), [rng.randrange(1000, 1003) for _ in range(rng.randrange(1, 6))])
+        elif op < 0.85 and live:
+            tree.release(live.pop(rng.randrange(len(live))))
+        elif op < 0.95:
+            tree.evict(rng.randrange(1, 4))
+        elif not live:
+            tree.reset()
+        for i, (ids, ns) in enumerate(waiting):
+            got = tree.match_prefix(ids, ns, len(ids) - 1, previous=previous.get(i, ()))
+            assert got == tree.match_prefix(ids, ns, len(ids) - 1), (step, i)
+            kept += bool(previous.get(i)) and got[:1] == previous[i][:1]
+            extended += len(got) > len(previous.get(i, ()))
+            previous[i] = got
+        tree.check_invariants()
+    assert kept > 50 and extended > 10          # the kept head and the extension both ran
+
+
 def test_reset_refuses_while_in_use_and_clears_after():
     tree = make_tree()
     prompt = tokens(2 * BLOCK_SIZE + 1)

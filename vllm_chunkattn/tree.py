@@ -105,12 +105,22 @@ class ChunkPrefixTree:
     ##### Public API #####
 
     def match_prefix(self, token_ids: Sequence[int], namespace: Hashable = None,
-                     max_tokens: int | None = None) -> list[Chunk]:
+                     max_tokens: int | None = None, previous: Sequence[Chunk] = ()) -> list[Chunk]:
         """Longest run of listed full chunks spelling a prefix of token_ids[:max_tokens]. No side effects.
-        vLLM passes max_tokens = num_tokens - 1: the last prompt token is always recomputed."""
+        vLLM passes max_tokens = num_tokens - 1: the last prompt token is always recomputed.
+        `previous`: an earlier result for the same tokens and namespace (the scheduler matches each
+        waiting request every step, a lookup per chunk from scratch): its still-listed head under
+        this root is kept, as eviction is leaf first, and only the chunks after it are looked up."""
         limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
         node, matched, bs = self.root, [], self.block_size
-        for index, start in enumerate(range(0, limit - bs + 1, bs)):
+        if previous and previous[0].parent is self.root:        # not evicted, no reset since
+            # a listed chunk's ancestors are listed: the last one tells for the whole run
+            kept = (len(previous) if previous[-1].listed
+                    else next(i for i, c in enumerate(previous) if not c.listed))
+            matched = list(previous[:min(kept, limit // bs)])
+            node = matched[-1] if matched else node
+        for index in range(len(matched), limit // bs):
+            start = index * bs
             key = (chunk_namespace(namespace, index, bs), tuple(token_ids[start:start + bs]))
             node = node.children.get(key)
             if node is None:

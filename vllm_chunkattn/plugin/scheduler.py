@@ -44,6 +44,7 @@ class ChunkTreeScheduling:
         self.sched_window = int(os.environ.get("CHUNKATTN_SCHED_WINDOW", "256"))
         self.max_wait_steps = int(os.environ.get("CHUNKATTN_SCHED_MAX_WAIT_STEPS", "64"))
         self._first_seen: dict[str, int] = {}
+        self._matches: dict[str, list] = {}     # request id -> its last tree match while waiting
         self.tree_metrics = TreeMetrics(self.tree, vllm_config)
         # vLLM 0.32 does not log whether async scheduling is on: serve_ab.sh reads it here.
         logger.info("chunk prefix tree is the KV cache manager: %d blocks of %d tokens, "
@@ -91,8 +92,9 @@ class ChunkTreeScheduling:
         """Longest tree match first, first-chunk sharers together, starving requests first."""
         step, bs, tree = self.current_step, self.block_size, self.tree
         window = list(itertools.islice(self.waiting, self.sched_window))
-        seen = self._first_seen
+        seen, matches = self._first_seen, self._matches
         self._first_seen = seen = {r.request_id: seen.get(r.request_id, step) for r in window}
+        self._matches = matches = {r.request_id: matches.get(r.request_id, ()) for r in window}
         group_of: dict[tuple, int] = {}
         keys = []
         for i, r in enumerate(window):
@@ -101,7 +103,10 @@ class ChunkTreeScheduling:
                 continue
             ns = request_namespace(r)
             tokens = r.all_token_ids
-            hit = len(tree.match_prefix(tokens, ns, r.num_tokens - 1)) if tokens else 0
+            # Extends the request's match of the last step: a lookup per new chunk, not per chunk.
+            matches[r.request_id] = matched = tree.match_prefix(
+                tokens, ns, r.num_tokens - 1, previous=matches[r.request_id]) if tokens else []
+            hit = len(matched)
             first_chunk = (chunk_namespace(ns, 0, bs), tuple(tokens[:bs]))
             group = group_of.setdefault(first_chunk, i) if len(tokens) > bs else i
             keys.append((1, -hit, group, i))
