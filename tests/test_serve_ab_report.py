@@ -398,3 +398,21 @@ def test_engine_itl_is_the_histograms_mean_over_the_run(report):
     assert math.isnan(serve_ab_report.engine_itl_ms(                           # no new token
         "before vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"
         "after vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"))
+
+
+def test_the_engines_ttft_parts_are_its_queue_and_prefill_histograms_means():
+    """vLLM's request queue and prefill time histograms read around a run: 4 requests queued
+    0.2 s and prefilled 2.0 s in all -> 50 and 500 ms; columns only where a run read them."""
+    counters = ("before vllm:request_queue_time_seconds_sum=1.0 vllm:request_queue_time_seconds_count=10 "
+                "vllm:request_prefill_time_seconds_sum=3.0 vllm:request_prefill_time_seconds_count=10\n"
+                "after vllm:request_queue_time_seconds_sum=1.2 vllm:request_queue_time_seconds_count=14 "
+                "vllm:request_prefill_time_seconds_sum=5.0 vllm:request_prefill_time_seconds_count=14\n")
+    got = {k: serve_ab_report.histogram_mean_ms(counters, m)
+           for k, m in serve_ab_report.ENGINE_TTFT_PARTS.items()}
+    assert got == pytest.approx({"engine_queue_ms": 50.0, "engine_prefill_ms": 500.0})
+    rows = [dict(system="stock", workload="w", engine_itl_ms=9.0, tokens_per_message=1.0, **got),
+            dict(system="custom", workload="w", engine_itl_ms=5.0, tokens_per_message=1.0,
+                 engine_queue_ms=math.nan, engine_prefill_ms=math.nan)]
+    md = serve_ab_report.streaming_section(rows, ["stock", "custom"])
+    assert "| stock engine queue ms | custom engine queue ms | stock engine prefill ms |" in md
+    assert "| w | 9.0 | 5.0 | 50.0 | – | 500.0 | – |" in md, md

@@ -115,6 +115,11 @@ def test_serve_ab_script_on_cpu(tmp_path):
     before, after = (dict(p.split("=") for p in line.split()[1:]) for line in counters.splitlines())
     reads = "chunkattn:decode_kv_tokens_total"
     assert float(after[reads]) > float(before.get(reads, 0)), counters    # it decoded
+    # the engine's parts of TTFT: vLLM's queue and prefill time histograms, a request each
+    for part in ("queue", "prefill"):
+        count = f"vllm:request_{part}_time_seconds_count"
+        assert float(after[count]) - float(before.get(count, 0)) == 4, counters
+        assert serve_ab_report.histogram_mean_ms(counters, f"vllm:request_{part}_time_seconds") >= 0
     share = rows["random"].split("|")[9].strip()
     assert share not in ("", "nan") and float(share) < 100, summary
     # 8 tokens in 5 messages (the first, then 2, 2, 2, and the last one at the finish); the

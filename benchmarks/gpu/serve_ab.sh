@@ -219,8 +219,9 @@ done
 longest=0
 budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
 counters() {   # on /metrics, one line: CUSTOM's decode KV counters (chunkattn:decode_*_total) and
-  # vLLM's inter-token latency histogram's sum and count (engine-side timestamps: the report's
-  # engine ITL), each summed over label sets (bench/server_client.scrape's sum, inline:
+  # the sums and counts of vLLM's inter-token latency, queue time and prefill time histograms
+  # (engine-side timestamps: the report's engine ITL and TTFT parts), each summed over label
+  # sets (bench/server_client.scrape's sum, inline:
   # importing vllm_chunkattn loads torch, ~2 s a call, twice a workload, in device time)
   $PY - "$1/metrics" <<'PY' || true
 import sys, urllib.request
@@ -230,8 +231,9 @@ except OSError:
     sys.exit()
 total = {}
 for line in text.splitlines():
-    if line.startswith(("chunkattn:decode_", "vllm:inter_token_latency_seconds_sum",
-                        "vllm:inter_token_latency_seconds_count")):   # name{labels} value
+    if line.startswith(("chunkattn:decode_", *(f"vllm:{h}_seconds_{p}" for p in ("sum", "count")
+                        for h in ("inter_token_latency", "request_queue_time",
+                                  "request_prefill_time")))):   # name{labels} value
         name = line.split("{")[0].split()[0]
         total[name] = total.get(name, 0.0) + float(line.split()[-1])
 print(" ".join(f"{k}={v!r}" for k, v in sorted(total.items())))

@@ -40,7 +40,7 @@ NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", 
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
            "longest_silence_s", "api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct",
-           "gpu_busy_pct", "gpu_idle_pct", "engine_itl_ms", "kv_bound_tokens", "steps", "mean_step_ms",
+           "gpu_busy_pct", "gpu_idle_pct", "engine_itl_ms", "engine_queue_ms", "engine_prefill_ms", "kv_bound_tokens", "steps", "mean_step_ms",
            "decode_wait_ms", "step_peak_kv_tokens")
 # serve_sampler.py's load samples: a workload's mean of each while requests ran goes into its row.
 LOAD = ("api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
@@ -160,15 +160,28 @@ def shared_kv_read_pct(counters: str) -> float:
     return 100 * shared / reads if reads > 0 and shared is not None else math.nan
 
 
+def histogram_mean_ms(counters: str, metric: str) -> float:
+    """The mean of one of vLLM's histograms over a run (its _sum and _count read around it), in
+    ms; nan where not read or nothing was observed."""
+    d = counter_deltas(counters)
+    count = d.get(f"{metric}_count", 0)
+    total = d.get(f"{metric}_sum")
+    return 1e3 * total / count if count > 0 and total is not None else math.nan
+
+
 def engine_itl_ms(counters: str) -> float:
     """The run's mean inter-token latency as the engine timed it: vLLM's
     vllm:inter_token_latency_seconds histogram takes each token's time from the engine core's
     output timestamps, so an API server or client that falls behind does not lengthen it (the
     client's TPOT it does); with async scheduling, a decode step. nan where not read."""
-    d = counter_deltas(counters)
-    count = d.get("vllm:inter_token_latency_seconds_count", 0)
-    total = d.get("vllm:inter_token_latency_seconds_sum")
-    return 1e3 * total / count if count > 0 and total is not None else math.nan
+    return histogram_mean_ms(counters, "vllm:inter_token_latency_seconds")
+
+
+# A request's time to its first token, split by the engine core's own timestamps: queued (from
+# its arrival at the engine to its first scheduling: the scheduler's wait for room) and prefill
+# (from then to its first token). CUSTOM's TTFT was 10-25 % longer than stock's on the H100 pair.
+ENGINE_TTFT_PARTS = {"engine_queue_ms": "vllm:request_queue_time_seconds",
+                     "engine_prefill_ms": "vllm:request_prefill_time_seconds"}
 
 
 def run_name(name: str, rnd: int, names) -> str:
@@ -207,7 +220,8 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
             row[key] = load.get((name, key), math.nan)
         counters = run / f"{workload}.counters"
         text = counters.read_text() if counters.exists() else ""
-        row.update(shared_kv_read_pct=shared_kv_read_pct(text), engine_itl_ms=engine_itl_ms(text))
+        row.update(shared_kv_read_pct=shared_kv_read_pct(text), engine_itl_ms=engine_itl_ms(text),
+                   **{k: histogram_mean_ms(text, m) for k, m in ENGINE_TTFT_PARTS.items()})
         rows.append(row)
     return rows
 
@@ -284,7 +298,8 @@ def combine(rounds: list[dict]) -> list[dict]:
     return out
 
 
-STREAM_COLUMNS = {"engine_itl_ms": "engine ITL ms",
+STREAM_COLUMNS = {"engine_itl_ms": "engine ITL ms", "engine_queue_ms": "engine queue ms",
+                  "engine_prefill_ms": "engine prefill ms",
                   "tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
                   "api_server_cpu_pct": "API server CPU %", "client_cpu_pct": "client CPU %",
                   "engine_core_cpu_pct": "engine core CPU %", "gpu_busy_pct": "GPU busy %",
@@ -317,7 +332,10 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
                       "run (from its counters read before and after): each token timed by the "
                       "engine core's output timestamps, so a front end that falls behind does not "
                       "lengthen it as it does the client's TPOT; the engine speed-up is stock's "
-                      "over CUSTOM's. Tokens per message = a workload's output tokens / the stream messages its "
+                      "over CUSTOM's. Engine queue / prefill = the means of "
+                      "`vllm:request_queue_time_seconds` (arrival at the engine to first "
+                      "scheduled) and `vllm:request_prefill_time_seconds` (then to the first "
+                      "token), the engine's parts of TTFT. Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
                       "longest silence = the longest time no stream got a message (prefill "
                       "included; the whole server or client stalling); API server / client / "
