@@ -199,9 +199,9 @@ inline TppParams make_tpp_params(
   // faster than the partial launch's stage at 7 of 8 points timed on an H100 and an H200
   // (benchmarks/results/gpu_h100.md). CHUNKATTN_FINAL_STAGE_TOKENS=64 (benchmarks, tests): the
   // partial launch's stage (64 tokens at head <= 128; head 256 has only the 32-token one).
-  p.final_stage_tokens = env_int("CHUNKATTN_FINAL_STAGE_TOKENS") == default_stage_tokens(int(s.head_size))
-                             ? default_stage_tokens(int(s.head_size))
-                             : kCompactFinalTokens;
+  const int partial_stage = default_stage_tokens(int(s.head_size));
+  p.final_stage_tokens = env_int("CHUNKATTN_FINAL_STAGE_TOKENS") == partial_stage ? partial_stage
+                                                                                  : kCompactFinalTokens;
   // CHUNKATTN_SLOT_LIST_CAP (tests): a shorter list, so a row's slots are merged in batches.
   p.slot_list_cap = std::max(0, env_int("CHUNKATTN_SLOT_LIST_CAP"));
   return p;

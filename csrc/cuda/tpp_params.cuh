@@ -57,8 +57,8 @@ constexpr int tpp_partial_smem_bytes(int head_size) {
 
 // The final launch's compact stage (the default; CHUNKATTN_FINAL_STAGE_TOKENS=64 keeps the
 // partial launch's stage, tpp_host.h): half the partial launch's 64 tokens at head <= 128, so
-// its smem (40 KB at head 128, from 73 KB) and 128 registers (final_min_ctas, tpp_final_kernel's __launch_bounds__) let 4 CTAs share an
-// SM, not 3. Why: the final launch
+// its smem (40 KB at head 128, from 73 KB) and 128 registers (final_min_ctas,
+// tpp_final_kernel's __launch_bounds__) let 4 CTAs share an SM, not 3. Why: the final launch
 // is 1024 CTAs of one q head at the paper's 32 x 32 heads, 2.6 waves of 396 on an H100, a third
 // of the decode with everything shared and all of it with nothing shared (ncu, 2026-11-26); at
 // 4 an SM they are 1.94 waves. Only half the CTA's warps then split a stage (kMaxParts = 2).

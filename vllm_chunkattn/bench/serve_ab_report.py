@@ -40,8 +40,8 @@ NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", 
            "p99_tpot_ms", "norm_latency_ms", "p99_norm_latency_ms", "peak_kv_usage_pct",
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
            "longest_silence_s", "api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct",
-           "gpu_busy_pct", "gpu_idle_pct", "engine_itl_ms", "engine_queue_ms", "engine_prefill_ms", "kv_bound_tokens", "steps", "mean_step_ms",
-           "decode_wait_ms", "step_peak_kv_tokens")
+           "gpu_busy_pct", "gpu_idle_pct", "engine_itl_ms", "engine_queue_ms", "engine_prefill_ms",
+           "kv_bound_tokens", "steps", "mean_step_ms", "decode_wait_ms", "step_peak_kv_tokens")
 # serve_sampler.py's load samples: a workload's mean of each while requests ran goes into its row.
 LOAD = ("api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
 INTEGER = ("completed", "failed", "peak_kv_tokens", "peak_running", "steps", "step_peak_kv_tokens")
