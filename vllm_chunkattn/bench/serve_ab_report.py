@@ -20,7 +20,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from . import ab_report, serve_steps
+from . import ab_report, serve_steps, serve_waves
 from .server_client import latency_metrics
 
 # serve_ab.sh's workloads: what each shares (ab_report's columns).
@@ -41,6 +41,7 @@ NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", 
            "peak_kv_tokens", "peak_running", "shared_kv_read_pct", "tokens_per_message",
            "longest_silence_s", "api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct",
            "gpu_busy_pct", "gpu_idle_pct", "engine_itl_ms", "engine_queue_ms", "engine_prefill_ms",
+           "ttft_outside_engine_ms",
            "kv_bound_tokens", "steps", "mean_step_ms", "decode_wait_ms", "step_peak_kv_tokens")
 # serve_sampler.py's load samples: a workload's mean of each while requests ran goes into its row.
 LOAD = ("api_server_cpu_pct", "client_cpu_pct", "engine_core_cpu_pct", "gpu_busy_pct")
@@ -222,6 +223,9 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
         text = counters.read_text() if counters.exists() else ""
         row.update(shared_kv_read_pct=shared_kv_read_pct(text), engine_itl_ms=engine_itl_ms(text),
                    **{k: histogram_mean_ms(text, m) for k, m in ENGINE_TTFT_PARTS.items()})
+        # The client's TTFT less the engine's parts: HTTP, tokenization and the API servers.
+        row.update(ttft_outside_engine_ms=row["mean_ttft_ms"] - sum(row[k] for k in ENGINE_TTFT_PARTS),
+                   waves=serve_waves.waves(res))
         rows.append(row)
     return rows
 
@@ -300,6 +304,7 @@ def combine(rounds: list[dict]) -> list[dict]:
 
 STREAM_COLUMNS = {"engine_itl_ms": "engine ITL ms", "engine_queue_ms": "engine queue ms",
                   "engine_prefill_ms": "engine prefill ms",
+                  "ttft_outside_engine_ms": "TTFT outside the engine ms",
                   "tokens_per_message": "tokens / message", "longest_silence_s": "longest silence s",
                   "api_server_cpu_pct": "API server CPU %", "client_cpu_pct": "client CPU %",
                   "engine_core_cpu_pct": "engine core CPU %", "gpu_busy_pct": "GPU busy %",
@@ -335,7 +340,8 @@ def streaming_section(rows: list[dict], systems: list[str]) -> str:
                       "over CUSTOM's. Engine queue / prefill = the means of "
                       "`vllm:request_queue_time_seconds` (arrival at the engine to first "
                       "scheduled) and `vllm:request_prefill_time_seconds` (then to the first "
-                      "token), the engine's parts of TTFT. Tokens per message = a workload's output tokens / the stream messages its "
+                      "token), the engine's parts of TTFT; TTFT outside the engine = the mean "
+                      "TTFT less both (HTTP, tokenization, the API servers' hand-over). Tokens per message = a workload's output tokens / the stream messages its "
                       "requests got (first token + one per inter-token gap in `--save-detailed`); "
                       "longest silence = the longest time no stream got a message (prefill "
                       "included; the whole server or client stalling); API server / client / "
@@ -442,7 +448,8 @@ def main(argv=None) -> int:
     paths = ab_report.write(rows, setup, a.out, a.tag)
     with open(a.out / f"ab_{a.tag}.md", "a") as f:
         f.write(streaming_section(rows, systems) + kv_bound_section(rows, systems)
-                + serve_steps.steps_section(rows, systems, GPU_GOALS["kv_vs_stock"]))
+                + serve_steps.steps_section(rows, systems, GPU_GOALS["kv_vs_stock"])
+                + serve_waves.section(rounds, systems))
     print("serve_ab_report:", ", ".join(str(p) for p in [a.out / f"ab_{a.tag}_rounds.csv", *paths]))
     return 0
 
