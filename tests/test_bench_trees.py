@@ -295,11 +295,17 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     assert list(finals) == ["b=4 P=64 S=20"]
     timed = dict(part.split(": ") for part in finals["b=4 P=64 S=20"].split("; "))
     assert [int(k) for k in timed] == list(kernel_gpu.FINAL_STAGES) == [64, 32]
+    # ... and with each KV address path, at the same points
+    kv = {r["point"]: r["kv_sweep_us"] for r in rows if r["kv_sweep_us"]}
+    assert list(kv) == ["b=4 P=64 S=20"]
+    timed = dict(part.split(": ") for part in kv["b=4 P=64 S=20"].split("; "))
+    assert list(timed) == ["i64", "i32"] and all(float(v) > 0 for v in timed.values())
     md = (tmp_path / "kernel_cpu_smoke.md").read_text()
     assert md.count("\n| b=4 P=64 S=20 |") == 1 and (tmp_path / "kernel_cpu_smoke.png").exists()
     assert "- smoke b=4 P=64 S=20: the op's choice " in md
     assert "## Private-tail KV splits" in md and "- smoke b=4 nothing shared: the op's choice " in md
     assert "## Final launch's KV stage: 32 tokens (default) against 64" in md
+    assert "## KV loads' addresses: one 32-bit offset (default) against 64-bit ones" in md
 
 
 def test_a_wrong_contender_is_not_timed_and_wrong_ours_fails_the_run(tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ missing wait or __syncthreads, or an out-of-bounds access fails here. Not a timi
 test: tests/test_ops_cuda.py runs the same cases on a GPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -351,6 +353,38 @@ def test_the_64_token_final_stage_merges_slots_in_batches(emu, splits, monkeypat
     monkeypatch.setenv("CHUNKATTN_SLOT_LIST_CAP", "3")
     spare = split_spare_slots(plan, b.query.shape[0], 16, 4)
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_kv_addresses_in_32_or_64_bits_read_the_same_tokens(emu, monkeypatch, head_size):
+    # load_kv_stage's two address paths (TppParams::kv_offsets_i32, the last launch's 5th
+    # number): one int32 offset a token for K and V where their strides are equal and every
+    # offset fits (vLLM's flash layout: V right after K in one tensor; or V in a tensor of its
+    # own with K's strides, anywhere in memory), 64-bit offsets for each where V's strides differ
+    # or CHUNKATTN_KV_OFFSETS_I64=1 asks. Every path gives the reference's results.
+    b = batch("system_prompts", seed=4, num_heads=8, num_kv_heads=2, head_size=head_size,
+              block_size=16, dtype=torch.bfloat16)
+    plan = plan_of(b)
+    monkeypatch.delenv("CHUNKATTN_KV_OFFSETS_I64", raising=False)
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+    assert emu.last_launch()[4] == 1
+    other = torch.zeros_like(b.kv_cache.transpose(1, 2)).transpose(1, 2)   # the same layout
+    far = other.transpose(1, 2)[..., head_size:]
+    far.copy_(b.value_cache)
+    assert far.stride() == b.key_cache.stride() and far.data_ptr() != b.value_cache.data_ptr()
+    assert_matches_reference(dataclasses.replace(b, value_cache=far), plan,
+                             *run(emu, dataclasses.replace(b, value_cache=far), plan))
+    assert emu.last_launch()[4] == 1
+    padded = torch.zeros(*b.value_cache.shape[:3], head_size + 8, dtype=b.value_cache.dtype)
+    own = padded[..., :head_size]
+    own.copy_(b.value_cache)
+    assert own.stride() != b.key_cache.stride()
+    assert_matches_reference(dataclasses.replace(b, value_cache=own), plan,
+                             *run(emu, dataclasses.replace(b, value_cache=own), plan))
+    assert emu.last_launch()[4] == 0
+    monkeypatch.setenv("CHUNKATTN_KV_OFFSETS_I64", "1")
+    assert_matches_reference(b, plan, *run(emu, b, plan))
+    assert emu.last_launch()[4] == 0
 
 
 def test_head_256_has_one_final_stage_whatever_the_knob(emu, monkeypatch):

@@ -171,6 +171,32 @@ def test_the_final_launch_in_compact_stages(ops, splits, monkeypatch, case, dtyp
         assert finals and all(f", {head_size}, {tokens}>" in n for n in finals), finals
 
 
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_kv_addresses_in_32_or_64_bits_read_the_same_tokens(ops, monkeypatch, head_size):
+    """load_kv_stage's two address paths on the GPU: one int32 offset a token for K and V (the
+    flash layout; V in a tensor of its own with K's strides), 64-bit offsets where V's strides
+    differ or CHUNKATTN_KV_OFFSETS_I64=1 asks. The SIMT emulation runs the same cases on CPU
+    and also checks which path each took."""
+    import dataclasses
+    b = make_batch("system_prompts", seed=4, num_heads=8, num_kv_heads=2, head_size=head_size,
+                   block_size=16, dtype=torch.bfloat16)
+    plan = plan_of(b)
+    monkeypatch.delenv("CHUNKATTN_KV_OFFSETS_I64", raising=False)
+    check(b, plan, *run(ops, b, plan))
+    other = torch.zeros_like(b.kv_cache.transpose(1, 2)).transpose(1, 2)
+    far = other.transpose(1, 2)[..., head_size:]
+    far.copy_(b.value_cache)
+    padded = torch.zeros(*b.value_cache.shape[:3], head_size + 8, dtype=b.value_cache.dtype,
+                         device="cuda")
+    own = padded[..., :head_size]
+    own.copy_(b.value_cache)
+    for value_cache in (far, own):
+        vb = dataclasses.replace(b, value_cache=value_cache)
+        check(vb, plan, *run(ops, vb, plan))
+    monkeypatch.setenv("CHUNKATTN_KV_OFFSETS_I64", "1")
+    check(b, plan, *run(ops, b, plan))
+
+
 @pytest.mark.parametrize("overlap", OVERLAP_OFF_ON)
 @pytest.mark.parametrize("spec", ["single_prefix", "system_prompts", "batch_17"])
 def test_final_launch_overlapped_or_not(ops, splits, monkeypatch, spec, overlap):

@@ -61,7 +61,10 @@ MUTATIONS = [
     ("no __syncthreads before the KV parts are merged",
      "    __syncthreads();\n    if (part == 0) {", "    if (part == 0) {"),
     ("token mask off by one",
-     "const bool valid = tok0 + nb * 8 + (e & 1) < t_end;", "const bool valid = tok0 + nb * 8 + (e & 1) <= t_end;"),
+     "const bool valid = !MASK || tok0 + nb * 8 + (e & 1) < t_end;",
+     "const bool valid = !MASK || tok0 + nb * 8 + (e & 1) <= t_end;"),
+    ("a run's last stage taken for a full one: its tokens past the run unmasked",
+     "if (t_begin + (it + 1) * S::kTokens <= t_end)", "if (t_begin + it * S::kTokens < t_end)"),
     ("the final kernel merges the partial slots without waiting for the partial grid",
      "if (base == 0) wait_for_primary_grid();", ""),
     ("the wave rule takes the most splits, not the fewest",
@@ -84,7 +87,11 @@ MUTATIONS = [
     ("a KV copy uses the next token's block id",
      "key_head + blk[i] * p.k_stride_block", "key_head + blk[(i + 1) % kPerThread] * p.k_stride_block"),
     ("a stage's tokens past the run are copied, not zero-filled",
-     "const int bytes = t < t_end ? 16 : 0;", "const int bytes = 16;"),
+     "const int bytes = t < t_end ? 16 : 0;\n      const T* src", "const int bytes = 16;\n      const T* src"),
+    ("the 32-bit KV path reads V at K's address",
+     "reinterpret_cast<uintptr_t>(src) + v_minus_k", "reinterpret_cast<uintptr_t>(src)"),
+    ("the 32-bit KV path uses the next token's block id",
+     "key_head + (blk[i] * k_block", "key_head + (blk[(i + 1) % kPerThread] * k_block"),
 ]
 # The same, in csrc/cuda/tpp_host.h.
 HOST_MUTATIONS = [
@@ -94,6 +101,8 @@ HOST_MUTATIONS = [
      "if (ss > 1) --ss;\n    else --cs;", "break;"),
     ("a padded plan's grid never loops, whatever its capacities",
      "> kLoopWaves * resident ?", "> 1000 * kLoopWaves * resident ?"),
+    ("the 32-bit KV path whatever V's strides",
+     "p.kv_offsets_i32 = kv_offsets_fit_i32(key_cache, value_cache) &&", "p.kv_offsets_i32 = true &&"),
 ]
 
 

@@ -58,6 +58,23 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
   const T* value_head = static_cast<const T*>(p.value) + kv_head * p.v_stride_head + c * 8;
   // A token past t_end copies 0 bytes (zero fill) from block 0, row t & mask: an address inside
   // the cache, computed without a branch.
+  if (p.kv_offsets_i32) {
+    // One int32 offset a token for K and V (their strides are equal), V a fixed distance from
+    // K, instead of the two 64-bit multiply-adds a copy below: a full stage of the partial
+    // launch's 64-row loop, 846 -> 724 instructions (sm_90a SASS, head 128, nvcc 13.0).
+    const int k_block = int(p.k_stride_block), k_tok = int(p.k_stride_tok);
+    const uintptr_t v_minus_k = reinterpret_cast<uintptr_t>(p.value) - reinterpret_cast<uintptr_t>(p.key);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int tok = tok0 + i * kTokStride, t = t0 + tok;
+      const int bytes = t < t_end ? 16 : 0;
+      const T* src = key_head + (blk[i] * k_block + (t & mask) * k_tok);
+      cp_async_16(sk + tok * S::kLd + c * 8, src, bytes);
+      cp_async_16(sv + tok * S::kLd + c * 8, reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(src) + v_minus_k),
+                  bytes);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int tok = tok0 + i * kTokStride, t = t0 + tok;
@@ -70,6 +87,21 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
   }
 }
 
+// A stage's scores of the thread's two rows into the log2 domain, and each row's max over them;
+// MASK: tokens at or past t_end become -inf (scores of the zero-filled K rows).
+template <bool MASK, int NB>
+__device__ __forceinline__ void scale_scores(float s[][4], float scale_log2, int tok0, int t_end,
+                                             float mx[2]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool valid = !MASK || tok0 + nb * 8 + (e & 1) < t_end;
+      s[nb][e] = valid ? s[nb][e] * scale_log2 : -INFINITY;
+      mx[e / 2] = fmaxf(mx[e / 2], s[nb][e]);
+    }
+}
+
 // Merges slot `idx` (natural-log m) into a thread's share of one row's state (log2-domain m).
 template <int D>
 __device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int lane, float o[][4],
@@ -77,7 +109,7 @@ __device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int 
   const float pm2 = p.partial_m[idx] * kLog2e;  // -inf stays -inf
   const float pl = p.partial_l[idx];
   const float mn = fmaxf(m2, pm2), ms = safe_max(mn);
-  const float a = exp2f(m2 - ms), b = exp2f(pm2 - ms);
+  const float a = fast_exp2(m2 - ms), b = fast_exp2(pm2 - ms);
   const float* po = p.partial_o + idx * D + 2 * (lane % 4);
 #pragma unroll
   for (int nb = 0; nb < D / 8; ++nb) {
@@ -191,17 +223,14 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
           mma_16816<T>(s[2 * j + 1], a, b[2], b[3]);
         }
       }
-      // Scale into the log2 domain, mask tokens past t_end, online softmax per row.
+      // Scale into the log2 domain (tokens past t_end masked: a CTA-uniform branch, only a
+      // run's last stage has any), online softmax per row.
       const int tok0 = t_begin + it * S::kTokens + part * kTokW + 2 * (lane % 4);
       float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nb = 0; nb < kTokW / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const bool valid = tok0 + nb * 8 + (e & 1) < t_end;
-          s[nb][e] = valid ? s[nb][e] * p.scale_log2 : -INFINITY;
-          mx[e / 2] = fmaxf(mx[e / 2], s[nb][e]);
-        }
+      if (t_begin + (it + 1) * S::kTokens <= t_end)
+        scale_scores<false, kTokW / 8>(s, p.scale_log2, tok0, t_end, mx);
+      else
+        scale_scores<true, kTokW / 8>(s, p.scale_log2, tok0, t_end, mx);
       float ms[2], alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -209,7 +238,7 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
         const float mn = fmaxf(m2[r], mx[r]);
         ms[r] = safe_max(mn);
-        alpha[r] = exp2f(m2[r] - ms[r]);  // 0 while the state is still empty
+        alpha[r] = fast_exp2(m2[r] - ms[r]);  // 0 while the state is still empty
         m2[r] = mn;
         l[r] *= alpha[r];
       }
@@ -224,7 +253,7 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
       for (int nb = 0; nb < kTokW / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nb][e] = exp2f(s[nb][e] - ms[e / 2]);
+          s[nb][e] = fast_exp2(s[nb][e] - ms[e / 2]);
           l[e / 2] += s[nb][e];
         }
       // P (C layout of two n8 blocks) is exactly the A fragment of a k16 step.
@@ -300,8 +329,8 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
           const float qm = red_ml[(slot * 16 + lane / 4 + 8 * r) * 2];
           const float ql = red_ml[(slot * 16 + lane / 4 + 8 * r) * 2 + 1];
           const float mn = fmaxf(m2[r], qm), ms = safe_max(mn);
-          a[r] = exp2f(m2[r] - ms);
-          b[r] = exp2f(qm - ms);
+          a[r] = fast_exp2(m2[r] - ms);
+          b[r] = fast_exp2(qm - ms);
           l[r] = l[r] * a[r] + ql * b[r];
           m2[r] = mn;
         }

@@ -129,6 +129,15 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   return w;
 }
 
+// Whether K and V share their strides and every element offset a (block, token) pair reaches
+// fits int32 (load_kv_stage's short address path, TppParams::kv_offsets_i32).
+inline bool kv_offsets_fit_i32(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  for (int d = 0; d < 3; ++d)
+    if (key_cache.stride(d) != value_cache.stride(d)) return false;
+  const int64_t last = (key_cache.size(0) - 1) * key_cache.stride(0) + (key_cache.size(1) - 1) * key_cache.stride(1);
+  return last < (int64_t(1) << 31);
+}
+
 // Pointers, strides and the work decomposition of one call. `resident_ctas`: partial-kernel CTAs
 // the device runs at once (SMs x CTAs per SM); only host ints are read, so a captured CUDA graph
 // replays the result.
@@ -204,6 +213,7 @@ inline TppParams make_tpp_params(
                                                                                   : kCompactFinalTokens;
   // CHUNKATTN_SLOT_LIST_CAP (tests): a shorter list, so a row's slots are merged in batches.
   p.slot_list_cap = std::max(0, env_int("CHUNKATTN_SLOT_LIST_CAP"));
+  p.kv_offsets_i32 = kv_offsets_fit_i32(key_cache, value_cache) && env_int("CHUNKATTN_KV_OFFSETS_I64") != 1;
   return p;
 }
 

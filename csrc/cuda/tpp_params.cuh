@@ -192,6 +192,10 @@ struct TppParams {
   int slot_list_cap;
   // KV tokens of the final launch's smem stage: default_stage_tokens, or kCompactFinalTokens.
   int final_stage_tokens;
+  // 1: V's strides are K's and every element offset into either cache fits int32 (vLLM's flash
+  // layout below 2^31 elements a layer): load_kv_stage computes one 32-bit offset a token for
+  // both; 0: 64-bit offsets for each (make_tpp_params; CHUNKATTN_KV_OFFSETS_I64=1 forces it).
+  int kv_offsets_i32;
 };
 
 // The chunk-first splits a launch runs, the partial count its slots are laid out by (split s of

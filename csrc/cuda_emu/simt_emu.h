@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -196,6 +197,13 @@ inline void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
   }
   simt::warp_done();
   for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+
+// ex2.approx.ftz.f32: 2^x, a denormal result flushed to 0 (the SFU's approximation differs
+// from exp2f in the last bits; tests compare with tolerances).
+inline float fast_exp2(float x) {
+  const float y = std::exp2(x);
+  return y < FLT_MIN ? 0.f : y;
 }
 
 template <typename T>

@@ -24,8 +24,10 @@ simt::GlobalRange bytes_of(const at::Tensor& t) {
   return {t.data_ptr(), t.numel() == 0 ? 0 : (last + 1) * int64_t(t.element_size())};
 }
 
-// The last emulated call's launches (tests: which final kernel ran, in how much smem).
+// The last emulated call's launches (tests: which final kernel ran, in how much smem) and its
+// KV address path (TppParams::kv_offsets_i32).
 TppLaunchShape g_last_launch{};
+int g_last_kv_offsets_i32 = -1;
 
 // The final launch as the GPU may run it beside the partial one (overlap_final): each final CTA
 // finds the workspace's slots NaN until it waits for the partial grid, then their real values.
@@ -77,6 +79,7 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
                                       seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
                                       scale, out, lse, resident_ctas);
   if (p.num_seqs == 0) return;
+  g_last_kv_offsets_i32 = p.kv_offsets_i32;
   std::vector<simt::GlobalRange> globals;
   for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_table, &seq_lens, &node_block_indptr,
                               &node_block_ids, &node_seq_indptr, &node_seq_ids, &seq_partial_indptr,
@@ -95,10 +98,11 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   });
 }
 
-// [partial grid x, final grid x, partial smem, final smem] of the last tpp_decode call.
+// [partial grid x, final grid x, partial smem, final smem, kv_offsets_i32] of the last
+// tpp_decode call.
 std::vector<int64_t> last_launch() {
   const TppLaunchShape& l = g_last_launch;
-  return {l.partial_grid_x, l.final_grid_x, l.partial_smem, l.final_smem};
+  return {l.partial_grid_x, l.final_grid_x, l.partial_smem, l.final_smem, g_last_kv_offsets_i32};
 }
 
 // The kernel's shared memory per head size, for the test of vllm_chunkattn/ops/cuda_fit.py's copy.

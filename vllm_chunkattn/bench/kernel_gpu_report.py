@@ -114,6 +114,11 @@ SWEEPS = (  # row column, section title, what was forced
      "head 128, 128 registers: 4 CTAs an SM, half the warps splitting a stage); "
      "CHUNKATTN_FINAL_STAGE_TOKENS=64 takes the partial launch's 64 at head <= 128 (73 KB: 3 CTAs "
      "an SM). Both timed side by side (eager); the forced counts below are the stage sizes."),
+    ("kv_sweep_us", "KV loads' addresses: one 32-bit offset (default) against 64-bit ones",
+     "Each KV token a stage loads takes one int32 offset for K and V where their strides are "
+     "equal and every offset fits (vLLM's flash layout; csrc/cuda/tpp_attend_tile.cuh, "
+     "load_kv_stage), or two 64-bit ones (CHUNKATTN_KV_OFFSETS_I64=1, the path before "
+     "2026-11-27). Both timed side by side (eager); i64 / i32 below are the two paths."),
 )
 
 
