@@ -11,7 +11,8 @@ from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.testing import (LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
                                     caterpillar_batch, pad_batch, poison_unread_kv,
-                                    random_tree_batch, split_spare_slots)
+                                    random_tree_batch, split_spare_slots,
+                                    value_cache_elsewhere)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -177,21 +178,12 @@ def test_kv_addresses_in_32_or_64_bits_read_the_same_tokens(ops, monkeypatch, he
     flash layout; V in a tensor of its own with K's strides), 64-bit offsets where V's strides
     differ or CHUNKATTN_KV_OFFSETS_I64=1 asks. The SIMT emulation runs the same cases on CPU
     and also checks which path each took."""
-    import dataclasses
     b = make_batch("system_prompts", seed=4, num_heads=8, num_kv_heads=2, head_size=head_size,
                    block_size=16, dtype=torch.bfloat16)
     plan = plan_of(b)
     monkeypatch.delenv("CHUNKATTN_KV_OFFSETS_I64", raising=False)
     check(b, plan, *run(ops, b, plan))
-    other = torch.zeros_like(b.kv_cache.transpose(1, 2)).transpose(1, 2)
-    far = other.transpose(1, 2)[..., head_size:]
-    far.copy_(b.value_cache)
-    padded = torch.zeros(*b.value_cache.shape[:3], head_size + 8, dtype=b.value_cache.dtype,
-                         device="cuda")
-    own = padded[..., :head_size]
-    own.copy_(b.value_cache)
-    for value_cache in (far, own):
-        vb = dataclasses.replace(b, value_cache=value_cache)
+    for vb in value_cache_elsewhere(b).values():
         check(vb, plan, *run(ops, vb, plan))
     monkeypatch.setenv("CHUNKATTN_KV_OFFSETS_I64", "1")
     check(b, plan, *run(ops, b, plan))

@@ -6,7 +6,7 @@ vLLM). The cache uses one of vLLM's layouts, so kernels are tested on the stride
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -153,6 +153,23 @@ def poison_unread_kv(b: TreeBatch) -> int:
     b.key_cache[unread] = float("nan")
     b.value_cache[unread] = float("nan")
     return int(unread.sum())
+
+
+def value_cache_elsewhere(b: TreeBatch) -> dict[str, TreeBatch]:
+    """The batch with its V cache copied out of the KV tensor, two ways a kernel's address paths
+    tell apart: "same_strides", V in a second cache of the same layout (K's strides, another
+    allocation), and "own_strides", V with a padded last dim (strides of its own)."""
+    head_size = b.key_cache.shape[-1]
+    other = torch.zeros_like(b.kv_cache.transpose(1, 2)).transpose(1, 2)   # b.kv_cache's layout
+    same = other.transpose(1, 2)[..., head_size:]
+    padded = torch.zeros(*b.value_cache.shape[:3], head_size + 8, dtype=b.value_cache.dtype,
+                         device=b.value_cache.device)
+    own = padded[..., :head_size]
+    for value_cache in (same, own):
+        value_cache.copy_(b.value_cache)
+    assert same.stride() == b.key_cache.stride() and same.data_ptr() != b.value_cache.data_ptr()
+    assert own.stride() != b.key_cache.stride()
+    return {"same_strides": replace(b, value_cache=same), "own_strides": replace(b, value_cache=own)}
 
 
 def assert_matches_reference(b: TreeBatch, plan, out: torch.Tensor, lse: torch.Tensor) -> None:
