@@ -70,10 +70,11 @@ def stage_loop(sass: str, hmma: int) -> collections.Counter:
     return min(loops, key=lambda c: sum(c.values()))
 
 
-def registers(dump: str, cubin: Path, name: str) -> int:
+def resource(dump: str, cubin: Path, name: str, what: str = "REG") -> int:
+    """A kernel's registers (REG) or stack bytes (STACK: spills) as cuobjdump -res-usage says."""
     out = subprocess.run([dump, "-res-usage", str(cubin)], capture_output=True, text=True,
                          check=True).stdout
-    m = re.search(re.escape(name) + r"[^\n]*\n[^\n]*REG:(\d+)", out)
+    m = re.search(re.escape(name) + r"[^\n]*\n[^\n]*\b" + what + r":(\d+)", out)
     return int(m.group(1)) if m else -1
 
 
@@ -112,15 +113,20 @@ def main(argv=None) -> int:
                                       text=True, check=True).stdout
                 counts = stage_loop(sass, hmma)
                 rows.append([kernel, label, str(sum(counts.values())), *(str(counts[o]) for o in SHOWN),
-                             str(registers(dump, cubin, name))])
+                             str(resource(dump, cubin, name))])
+        # The kernel as built holds both KV paths: its registers and stack are the ones that run.
+        shutil.copytree(ROOT / "csrc", tmp / "as_built")
+        build(tmp / "as_built", tmp / "as_built.cubin")
+        built = {k: (resource(dump, tmp / "as_built.cubin", n), resource(dump, tmp / "as_built.cubin", n, "STACK"))
+                 for k, (n, _) in KERNELS.items()}
     head = ["kernel", "variant", "instructions", *SHOWN, "registers"]
     lines = [f"# Instructions a warp issues per full KV stage (sm_90a SASS, bf16, head 128)", "",
              f"Command: `.venv/bin/python benchmarks/gpu/sass_stage_counts.py --base {a.base}`; "
              f"{subprocess.run(['nvcc', '--version'], capture_output=True, text=True).stdout.strip().splitlines()[-1]}. "
              "Static counts of one stage loop's instructions (benchmarks/gpu/sass_stage_counts.py), "
              "not timings. Registers: the variant's kernel as compiled with one path; the kernel "
-             "as built holds both KV paths (ptxas: 242 registers for the partial launch at head "
-             "128, 128 for the compact final launch, no spills).", "",
+             "as built holds both KV paths (registers / stack bytes as built: "
+             + ", ".join(f"{k} {r} / {st}" for k, (r, st) in built.items()) + ").", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
              *("| " + " | ".join(r) + " |" for r in rows)]
     text = "\n".join(lines) + "\n"

@@ -31,6 +31,13 @@ struct Smem {
   }
 };
 
+// Where a token's K and V rows start (load_kv_stage's two address rules).
+template <typename T>
+struct KvRows {
+  const T* k;
+  const T* v;
+};
+
 // Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
 // Thread x copies 16-byte chunk x % kChunks of tokens x / kChunks + i * kTokStride. Its block ids
 // are loaded first, all at once, and the copies issued after: written as one loop (id, then its
@@ -56,34 +63,34 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
   }
   const T* key_head = static_cast<const T*>(p.key) + kv_head * p.k_stride_head + c * 8;
   const T* value_head = static_cast<const T*>(p.value) + kv_head * p.v_stride_head + c * 8;
+  // One loop copies every token; `rows(block id, row in block)` says where its K and V rows are.
   // A token past t_end copies 0 bytes (zero fill) from block 0, row t & mask: an address inside
   // the cache, computed without a branch.
-  if (p.kv_offsets_i32) {
-    // One int32 offset a token for K and V (their strides are equal), V a fixed distance from
-    // K, instead of the two 64-bit multiply-adds a copy below: a full stage of the partial
-    // launch's 64-row loop, 846 -> 724 instructions (sm_90a SASS, head 128, nvcc 13.0).
-    const int k_block = int(p.k_stride_block), k_tok = int(p.k_stride_tok);
-    const uintptr_t v_minus_k = reinterpret_cast<uintptr_t>(p.value) - reinterpret_cast<uintptr_t>(p.key);
+  const auto copy_tokens = [&](const auto& rows) {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int tok = tok0 + i * kTokStride, t = t0 + tok;
       const int bytes = t < t_end ? 16 : 0;
-      const T* src = key_head + (blk[i] * k_block + (t & mask) * k_tok);
-      cp_async_16(sk + tok * S::kLd + c * 8, src, bytes);
-      cp_async_16(sv + tok * S::kLd + c * 8, reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(src) + v_minus_k),
-                  bytes);
+      const KvRows<T> src = rows(blk[i], t & mask);
+      cp_async_16(sk + tok * S::kLd + c * 8, src.k, bytes);
+      cp_async_16(sv + tok * S::kLd + c * 8, src.v, bytes);
     }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int tok = tok0 + i * kTokStride, t = t0 + tok;
-    const int64_t off = t & mask;
-    const int bytes = t < t_end ? 16 : 0;
-    cp_async_16(sk + tok * S::kLd + c * 8, key_head + blk[i] * p.k_stride_block + off * p.k_stride_tok,
-                bytes);
-    cp_async_16(sv + tok * S::kLd + c * 8,
-                value_head + blk[i] * p.v_stride_block + off * p.v_stride_tok, bytes);
+  };
+  if (p.kv_offsets_i32) {
+    // One int32 offset a token for K and V (their strides are equal), V a fixed distance from
+    // K, instead of two 64-bit multiply-adds a copy: a full stage of the partial launch's
+    // 64-row loop, 846 -> 724 instructions (sm_90a SASS, head 128, nvcc 13.0).
+    const int k_block = int(p.k_stride_block), k_tok = int(p.k_stride_tok);
+    const uintptr_t v_minus_k = reinterpret_cast<uintptr_t>(p.value) - reinterpret_cast<uintptr_t>(p.key);
+    copy_tokens([&](int block, int row) {
+      const T* k = key_head + (block * k_block + row * k_tok);
+      return KvRows<T>{k, reinterpret_cast<const T*>(reinterpret_cast<uintptr_t>(k) + v_minus_k)};
+    });
+  } else {
+    copy_tokens([&](int block, int row) {
+      return KvRows<T>{key_head + block * p.k_stride_block + int64_t(row) * p.k_stride_tok,
+                       value_head + block * p.v_stride_block + int64_t(row) * p.v_stride_tok};
+    });
   }
 }
 
