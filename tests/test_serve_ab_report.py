@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_chunkattn.bench import serve_ab_report
+from vllm_chunkattn.bench import serve_ab_report, serve_metrics
 
 CAPACITY = 100_000                                    # KV tokens, from the server log
 # (system, round) -> workload -> (output tok/s, peak KV usage fraction, failed requests)
@@ -157,7 +157,7 @@ def test_kv_peaks_leave_out_samples_cut_short():
            "1.50 random vllm:kv_cache_usage_perc 0.40\n"
            "1.75 random vllm:num_requests_running 7\n"
            "2.00 random vllm:kv_cache")
-    assert serve_ab_report.peaks(serve_ab_report.samples(tsv)) == {("random", "vllm:kv_cache_usage_perc"): 0.40,
+    assert serve_metrics.peaks(serve_metrics.samples(tsv)) == {("random", "vllm:kv_cache_usage_perc"): 0.40,
                                           ("random", "vllm:num_requests_running"): 7.0}
 
 
@@ -207,9 +207,9 @@ def test_share_of_decode_kv_reads_from_shared_chunks_per_workload(report):
         assert float(combined[("custom", w)]["shared_kv_read_pct"]) == pytest.approx(10 * i)
         assert combined[("stock", w)]["shared_kv_read_pct"] == ""           # nan, left blank
     assert "| 1,700 | 1.70× |" in md and md.count("| 30 |") == 1      # prefix1x2k_c128's row
-    assert serve_ab_report.shared_kv_read_pct("before \nafter \n") != serve_ab_report.shared_kv_read_pct("before \nafter \n")   # nan
+    assert serve_metrics.shared_kv_read_pct("before \nafter \n") != serve_metrics.shared_kv_read_pct("before \nafter \n")   # nan
     cut = "before chunkattn:decode_kv_tokens_total=5 chunkattn:decode_shared_kv_tokens_total=1\n"
-    assert serve_ab_report.shared_kv_read_pct(cut) != serve_ab_report.shared_kv_read_pct(cut)  # no after
+    assert serve_metrics.shared_kv_read_pct(cut) != serve_metrics.shared_kv_read_pct(cut)  # no after
 
 
 def test_committed_calls_with_gzipped_server_logs_give_the_same_report(tmp_path, report):
@@ -286,7 +286,7 @@ def test_gpu_idle_samples_are_the_share_at_zero_busy_while_requests_ran():
                     "4.0 w vllm:num_requests_running 256", "4.0 w gpu_busy_pct 3",
                     "5.0 w vllm:num_requests_running 1", "5.0 w gpu_busy_pct 0",
                     "6.0 w vllm:num_requests_running 256"]) + "\n"   # no GPU sample: not counted
-    load = serve_ab_report.load_while_serving(kv)
+    load = serve_metrics.load_while_serving(kv)
     assert load[("w", "gpu_idle_pct")] == 50.0
     assert load[("w", "gpu_busy_pct")] == pytest.approx(103 / 4)
     rows = [dict(system="custom", workload="w", tokens_per_message=8.0, longest_silence_s=0.3,
@@ -394,8 +394,8 @@ def test_engine_itl_is_the_histograms_mean_over_the_run(report):
     assert float(got[("stock", "2", "random")]["engine_itl_ms"]) == pytest.approx(9.0)
     assert "| stock engine ITL ms | custom engine ITL ms |" in md
     assert md.count("| engine speed-up (stock / custom ITL) |") == 1
-    assert math.isnan(serve_ab_report.engine_itl_ms("before \nafter \n"))      # not read
-    assert math.isnan(serve_ab_report.engine_itl_ms(                           # no new token
+    assert math.isnan(serve_metrics.engine_itl_ms("before \nafter \n"))      # not read
+    assert math.isnan(serve_metrics.engine_itl_ms(                           # no new token
         "before vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"
         "after vllm:inter_token_latency_seconds_sum=1.0 vllm:inter_token_latency_seconds_count=5\n"))
 
@@ -407,8 +407,8 @@ def test_the_engines_ttft_parts_are_its_queue_and_prefill_histograms_means():
                 "vllm:request_prefill_time_seconds_sum=3.0 vllm:request_prefill_time_seconds_count=10\n"
                 "after vllm:request_queue_time_seconds_sum=1.2 vllm:request_queue_time_seconds_count=14 "
                 "vllm:request_prefill_time_seconds_sum=5.0 vllm:request_prefill_time_seconds_count=14\n")
-    got = {k: serve_ab_report.histogram_mean_ms(counters, m)
-           for k, m in serve_ab_report.ENGINE_TTFT_PARTS.items()}
+    got = {k: serve_metrics.histogram_mean_ms(counters, m)
+           for k, m in serve_metrics.ENGINE_TTFT_PARTS.items()}
     assert got == pytest.approx({"engine_queue_ms": 50.0, "engine_prefill_ms": 500.0})
     rows = [dict(system="stock", workload="w", engine_itl_ms=9.0, tokens_per_message=1.0, **got),
             dict(system="custom", workload="w", engine_itl_ms=5.0, tokens_per_message=1.0,

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_chunkattn.bench import serve_ab_report, serve_steps
+from vllm_chunkattn.bench import serve_ab_report, serve_metrics, serve_steps
 from vllm_runs import GPU_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_serve_ab_script_on_cpu(tmp_path):
     for part in ("queue", "prefill"):
         count = f"vllm:request_{part}_time_seconds_count"
         assert float(after[count]) - float(before.get(count, 0)) == 4, counters
-        assert serve_ab_report.histogram_mean_ms(counters, f"vllm:request_{part}_time_seconds") >= 0
+        assert serve_metrics.histogram_mean_ms(counters, f"vllm:request_{part}_time_seconds") >= 0
     share = rows["random"].split("|")[9].strip()
     assert share not in ("", "nan") and float(share) < 100, summary
     # 8 tokens in 5 messages (the first, then 2, 2, 2, and the last one at the finish); the
