@@ -159,9 +159,10 @@ def value_cache_elsewhere(b: TreeBatch) -> dict[str, TreeBatch]:
     """The batch with its V cache copied out of the KV tensor, two ways a kernel's address paths
     tell apart: "same_strides", V in a second cache of the same layout (K's strides, another
     allocation), and "own_strides", V with a padded last dim (strides of its own)."""
-    head_size = b.key_cache.shape[-1]
-    other = torch.zeros_like(b.kv_cache.transpose(1, 2)).transpose(1, 2)   # b.kv_cache's layout
-    same = other.transpose(1, 2)[..., head_size:]
+    num_blocks, block_size, num_kv_heads, head_size = b.key_cache.shape
+    other = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, b.value_cache.dtype,
+                           b.value_cache.device, "flash")
+    same = kv_cache_views(other, "flash")[1]
     padded = torch.zeros(*b.value_cache.shape[:3], head_size + 8, dtype=b.value_cache.dtype,
                          device=b.value_cache.device)
     own = padded[..., :head_size]

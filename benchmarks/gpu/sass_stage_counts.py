@@ -70,12 +70,13 @@ def stage_loop(sass: str, hmma: int) -> collections.Counter:
     return min(loops, key=lambda c: sum(c.values()))
 
 
-def resource(dump: str, cubin: Path, name: str, what: str = "REG") -> int:
-    """A kernel's registers (REG) or stack bytes (STACK: spills) as cuobjdump -res-usage says."""
+def resources(dump: str, cubin: Path, name: str) -> tuple[int, int]:
+    """A kernel's registers and stack bytes (spills) as cuobjdump -res-usage says; -1 if absent."""
     out = subprocess.run([dump, "-res-usage", str(cubin)], capture_output=True, text=True,
                          check=True).stdout
-    m = re.search(re.escape(name) + r"[^\n]*\n[^\n]*\b" + what + r":(\d+)", out)
-    return int(m.group(1)) if m else -1
+    line = re.search(re.escape(name) + r"[^\n]*\n([^\n]*)", out)
+    got = [re.search(rf"\b{what}:(\d+)", line.group(1)) if line else None for what in ("REG", "STACK")]
+    return tuple(int(m.group(1)) if m else -1 for m in got)
 
 
 def variant(csrc: Path, edits: list[tuple[str, str, str]]) -> None:
@@ -113,12 +114,11 @@ def main(argv=None) -> int:
                                       text=True, check=True).stdout
                 counts = stage_loop(sass, hmma)
                 rows.append([kernel, label, str(sum(counts.values())), *(str(counts[o]) for o in SHOWN),
-                             str(resource(dump, cubin, name))])
+                             str(resources(dump, cubin, name)[0])])
         # The kernel as built holds both KV paths: its registers and stack are the ones that run.
         shutil.copytree(ROOT / "csrc", tmp / "as_built")
         build(tmp / "as_built", tmp / "as_built.cubin")
-        built = {k: (resource(dump, tmp / "as_built.cubin", n), resource(dump, tmp / "as_built.cubin", n, "STACK"))
-                 for k, (n, _) in KERNELS.items()}
+        built = {k: resources(dump, tmp / "as_built.cubin", n) for k, (n, _) in KERNELS.items()}
     head = ["kernel", "variant", "instructions", *SHOWN, "registers"]
     lines = [f"# Instructions a warp issues per full KV stage (sm_90a SASS, bf16, head 128)", "",
              f"Command: `.venv/bin/python benchmarks/gpu/sass_stage_counts.py --base {a.base}`; "
