@@ -36,6 +36,16 @@ main()' "$@"
 """
 
 
+# The pair calls test the script's pairing (ABBA order, one start per system, each round's own
+# files and steps), not the engine: they serve as vLLM runs on CPU, fp32, V1 runner, eager. The
+# script serves bf16 (the GPU's dtype), and a CPU without AVX-512 BF16 or AMX multiplies bf16
+# ~50x slower than fp32 (2048x512 @ 512x1536: 2.5 s vs 0.05 s on one AVX2 EPYC core); the V2
+# runner runs its Triton kernels in Triton's interpreter (~0.4 s a step here); torch.compile
+# took 71 s of each start (two servers at once, 2 cores). The last --dtype wins.
+# test_serve_ab_script_on_cpu keeps all three: bf16, the GPU's defaults, compiled.
+CPU_ENGINE = "--dtype float32 --enforce-eager"
+
+
 def _with_model(procs) -> list[psutil.Process]:
     out = []
     for p in procs:
@@ -53,17 +63,19 @@ def summary_sections(text: str) -> dict[str, str]:
     return dict(zip(parts[::2], parts[1::2]))
 
 
-def _cpu_call(tmp_path, budget_s: int, stand_in: str = VLLM_STAND_IN, **knobs: str) -> dict:
+def _cpu_call(tmp_path, budget_s: int, stand_in: str = VLLM_STAND_IN, gpu_defaults: bool = True,
+              **knobs: str) -> dict:
     """serve_ab.sh's environment for a CPU call: the stand-in `vllm` CLI, the tiny model, 4
-    prompts of 8 tokens, $OUT under tmp_path, vLLM's GPU defaults (the V2 model runner and async
-    scheduling, test_v2_model_runner), one API server streaming every token (FRONTEND_ARGS
-    empty); knobs: the call's own (ROUND, EXTRA_SERVER_ARGS, FRONTEND_ARGS, ...)."""
+    prompts of 8 tokens, $OUT under tmp_path, vLLM's GPU defaults unless `gpu_defaults` is False
+    (the V2 model runner and async scheduling, test_v2_model_runner), one API server streaming
+    every token (FRONTEND_ARGS empty); knobs: the call's own (ROUND, EXTRA_SERVER_ARGS, ...)."""
     vllm = tmp_path / "vllm"
     vllm.write_text(stand_in)
     vllm.chmod(0o755)
     env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
            "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(tmp_path / "out"),
-           "BUDGET_S": str(budget_s), "GUESS_S": "1", "FRONTEND_ARGS": "", **GPU_DEFAULTS}
+           "BUDGET_S": str(budget_s), "GUESS_S": "1", "FRONTEND_ARGS": "",
+           **(GPU_DEFAULTS if gpu_defaults else {})}
     for k in ("PORT", "EXTRA_SERVER_ARGS", "ROUND"):
         env.pop(k, None)
     return {**env, **knobs}
@@ -161,7 +173,8 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     out = tmp_path / "out"
     # the GPU rounds' front end from round 3 on, smaller: a stream message every 2nd token
     env = _cpu_call(tmp_path, budget_s, ROUND="5", PAIR_KV_BYTES=str(256 << 20),
-                    FRONTEND_ARGS="--stream-interval 2")
+                    FRONTEND_ARGS="--stream-interval 2", gpu_defaults=False,
+                    EXTRA_SERVER_ARGS=CPU_ENGINE)
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=budget_s + 60)
     log = r.stdout + r.stderr
@@ -214,7 +227,8 @@ def test_a_pair_whose_custom_server_dies_at_start_serves_stocks_rounds(tmp_path)
     no_custom = VLLM_STAND_IN.replace(
         "exec ", 'case " $* " in *" CUSTOM "*) echo "stand-in: no CUSTOM" >&2; exit 1 ;; esac\n'
                  'exec ', 1)
-    env = _cpu_call(tmp_path, 420, no_custom, PAIR_KV_BYTES=str(256 << 20))
+    env = _cpu_call(tmp_path, 420, no_custom, PAIR_KV_BYTES=str(256 << 20), gpu_defaults=False,
+                    EXTRA_SERVER_ARGS=CPU_ENGINE)
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=480)
     log = r.stdout + r.stderr

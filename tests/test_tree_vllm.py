@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
-from vllm_runs import REPO, assert_native_kernel, assert_not_custom, run_llm, tiny_model
+from vllm_runs import (IN_PROCESS_ENGINE, REPO, assert_native_kernel, assert_not_custom, run_llm,
+                       tiny_model)
 
 pytestmark = pytest.mark.vllm
 NUM_BLOCKS = 24          # 24 x 32 tokens: far less than the 8 prompts below need at once
@@ -119,7 +120,7 @@ def test_abort_mid_decode_releases_everything(tmp_path):
     import subprocess
     proc = subprocess.run([sys.executable, __file__, str(tiny_model()), str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **IN_PROCESS_ENGINE, **env})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert_native_kernel(proc.stdout + proc.stderr)
     result = _read(out)

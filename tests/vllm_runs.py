@@ -27,6 +27,13 @@ def tiny_model() -> Path:
     return ensure_tiny_model(MODEL_DIR)
 
 
+# The engine core in the job's own process: each vLLM process imports vLLM and torch first, ~15 s
+# on a 2-core runner. What these jobs check (tokens, logprobs, the tree's invariants, the
+# builder's host copies) is the same either way, and the servers' tests (test_server, test_soak,
+# test_serve_ab_script, test_demo) run vLLM's process layout as users do.
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_llm(job: dict, tmp_path: Path, timeout: int = 900, env: dict | None = None) -> dict:
     """Run tests/llm_job.py with `job` (engine kwargs + requests); returns its JSON result."""
     pytest.importorskip("vllm")
@@ -36,7 +43,7 @@ def run_llm(job: dict, tmp_path: Path, timeout: int = 900, env: dict | None = No
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "llm_job.py"), str(job_file),
                            str(out_file)], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                                **(env or {})})
+                                                **IN_PROCESS_ENGINE, **(env or {})})
     if proc.returncode != 0 or not out_file.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"LLM job failed (rc={proc.returncode}):\n{tail}")
