@@ -63,24 +63,28 @@ def summary_sections(text: str) -> dict[str, str]:
     return dict(zip(parts[::2], parts[1::2]))
 
 
-def _cpu_call(tmp_path, budget_s: int, stand_in: str = VLLM_STAND_IN, gpu_defaults: bool = True,
+def _cpu_call(tmp_path, budget_s: int, stand_in: str = VLLM_STAND_IN, engine_as_on_gpu: bool = True,
               **knobs: str) -> dict:
     """serve_ab.sh's environment for a CPU call: the stand-in `vllm` CLI, the tiny model, 4
-    prompts of 8 tokens, $OUT under tmp_path, vLLM's GPU defaults unless `gpu_defaults` is False
-    (the V2 model runner and async scheduling, test_v2_model_runner), one API server streaming
-    every token (FRONTEND_ARGS empty); knobs: the call's own (ROUND, EXTRA_SERVER_ARGS, ...)."""
+    prompts of 8 tokens, $OUT under tmp_path, one API server streaming every token (FRONTEND_ARGS
+    empty). The engine as on the GPU (bf16, compiled, vLLM's GPU defaults: the V2 model runner and
+    async scheduling, test_v2_model_runner), or if `engine_as_on_gpu` is False as vLLM runs on CPU
+    (CPU_ENGINE). knobs: the call's own (ROUND, EXTRA_SERVER_ARGS, ...)."""
     vllm = tmp_path / "vllm"
     vllm.write_text(stand_in)
     vllm.chmod(0o755)
     env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
            "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(tmp_path / "out"),
            "BUDGET_S": str(budget_s), "GUESS_S": "1", "FRONTEND_ARGS": "",
-           **(GPU_DEFAULTS if gpu_defaults else {})}
+           **(GPU_DEFAULTS if engine_as_on_gpu else {})}
     for k in ("PORT", "EXTRA_SERVER_ARGS", "ROUND"):
         env.pop(k, None)
+    if not engine_as_on_gpu:
+        env["EXTRA_SERVER_ARGS"] = CPU_ENGINE
     return {**env, **knobs}
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
                     "tiny model")
 def test_serve_ab_script_on_cpu(tmp_path):
@@ -159,6 +163,7 @@ def test_serve_ab_script_on_cpu(tmp_path):
                 if "VLLM::APIServer" in " ".join(p.info["cmdline"] or [])], log
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
                     "tiny model")
 def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
@@ -173,8 +178,7 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     out = tmp_path / "out"
     # the GPU rounds' front end from round 3 on, smaller: a stream message every 2nd token
     env = _cpu_call(tmp_path, budget_s, ROUND="5", PAIR_KV_BYTES=str(256 << 20),
-                    FRONTEND_ARGS="--stream-interval 2", gpu_defaults=False,
-                    EXTRA_SERVER_ARGS=CPU_ENGINE)
+                    FRONTEND_ARGS="--stream-interval 2", engine_as_on_gpu=False)
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=budget_s + 60)
     log = r.stdout + r.stderr
@@ -217,6 +221,7 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     assert _with_model(psutil.process_iter()) == [], log
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="make setup writes the "
                     "tiny model")
 def test_a_pair_whose_custom_server_dies_at_start_serves_stocks_rounds(tmp_path):
@@ -227,8 +232,8 @@ def test_a_pair_whose_custom_server_dies_at_start_serves_stocks_rounds(tmp_path)
     no_custom = VLLM_STAND_IN.replace(
         "exec ", 'case " $* " in *" CUSTOM "*) echo "stand-in: no CUSTOM" >&2; exit 1 ;; esac\n'
                  'exec ', 1)
-    env = _cpu_call(tmp_path, 420, no_custom, PAIR_KV_BYTES=str(256 << 20), gpu_defaults=False,
-                    EXTRA_SERVER_ARGS=CPU_ENGINE)
+    env = _cpu_call(tmp_path, 420, no_custom, PAIR_KV_BYTES=str(256 << 20),
+                    engine_as_on_gpu=False)
     r = subprocess.run(["bash", str(SCRIPT), "pair", "random"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=480)
     log = r.stdout + r.stderr

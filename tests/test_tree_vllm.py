@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
-from vllm_runs import (IN_PROCESS_ENGINE, REPO, assert_native_kernel, assert_not_custom, run_llm,
+from vllm_runs import (REPO, assert_native_kernel, assert_not_custom, job_env, run_llm,
                        tiny_model)
 
 pytestmark = pytest.mark.vllm
@@ -116,11 +116,10 @@ def test_manager_hits_like_stock_on_random_workloads(seed):
 def test_abort_mid_decode_releases_everything(tmp_path):
     out = tmp_path / "abort.json"
     env = _debug_env(tmp_path, "a")
-    import os
     import subprocess
     proc = subprocess.run([sys.executable, __file__, str(tiny_model()), str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **IN_PROCESS_ENGINE, **env})
+                          env=job_env(env))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert_native_kernel(proc.stdout + proc.stderr)
     result = _read(out)

@@ -34,6 +34,11 @@ def tiny_model() -> Path:
 IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def job_env(extra: dict | None = None) -> dict:
+    """A vLLM test job's environment: offline, the engine core in-process, then `extra`."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", **IN_PROCESS_ENGINE, **(extra or {})}
+
+
 def run_llm(job: dict, tmp_path: Path, timeout: int = 900, env: dict | None = None) -> dict:
     """Run tests/llm_job.py with `job` (engine kwargs + requests); returns its JSON result."""
     pytest.importorskip("vllm")
@@ -42,8 +47,7 @@ def run_llm(job: dict, tmp_path: Path, timeout: int = 900, env: dict | None = No
     job_file.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "llm_job.py"), str(job_file),
                            str(out_file)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                                **IN_PROCESS_ENGINE, **(env or {})})
+                          timeout=timeout, env=job_env(env))
     if proc.returncode != 0 or not out_file.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"LLM job failed (rc={proc.returncode}):\n{tail}")
