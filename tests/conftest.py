@@ -6,6 +6,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # tests/ helpers (vll
 
 import pytest  # noqa: E402
 
+# On pytest-xdist workers (CI: -n 2), each worker's vLLM engines compute on a core of their own
+# (vLLM's auto binding puts every engine's OpenMP threads on the same core). A test that binds by
+# hand (test_tensor_parallel) still does.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_worker[2:]) % len(_cores)])
+
 
 @pytest.fixture
 def splits(monkeypatch):

@@ -46,11 +46,21 @@ main()' "$@"
 CPU_ENGINE = "--dtype float32 --enforce-eager"
 
 
-def _with_model(procs) -> list[psutil.Process]:
+def served_model(tmp_path) -> Path:
+    """The tiny model under a path of this test's own (a link to it): serve_ab.sh stops every
+    process serving its MODEL, and these tests assert none is left, so the path keeps both to
+    this test's processes while other tests serve the tiny model beside it (CI: two workers)."""
+    link = tmp_path / "tiny-llama"
+    if not link.exists():
+        link.symlink_to(MODEL, target_is_directory=True)
+    return link
+
+
+def _with_model(procs, model: Path) -> list[psutil.Process]:
     out = []
     for p in procs:
         try:
-            if str(MODEL) in p.cmdline():
+            if str(model) in p.cmdline():
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -73,9 +83,10 @@ def _cpu_call(tmp_path, budget_s: int, stand_in: str = VLLM_STAND_IN, engine_as_
     vllm = tmp_path / "vllm"
     vllm.write_text(stand_in)
     vllm.chmod(0o755)
-    env = {**os.environ, "MODEL": str(MODEL), "NUM_PROMPTS": "4", "OUTPUT_LEN": "8",
-           "PYTHON": sys.executable, "VLLM": str(vllm), "OUT": str(tmp_path / "out"),
-           "BUDGET_S": str(budget_s), "GUESS_S": "1", "FRONTEND_ARGS": "",
+    env = {**os.environ, "MODEL": str(served_model(tmp_path)), "NUM_PROMPTS": "4",
+           "OUTPUT_LEN": "8", "PYTHON": sys.executable, "VLLM": str(vllm),
+           "OUT": str(tmp_path / "out"), "BUDGET_S": str(budget_s), "GUESS_S": "1",
+           "FRONTEND_ARGS": "",
            **(GPU_DEFAULTS if engine_as_on_gpu else {})}
     for k in ("PORT", "EXTRA_SERVER_ARGS", "ROUND"):
         env.pop(k, None)
@@ -91,7 +102,7 @@ def test_serve_ab_script_on_cpu(tmp_path):
     pytest.importorskip("vllm")
     # What a call cut at its time limit would leave: a process serving this model.
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "serve",
-                                 str(MODEL)])
+                                 str(served_model(tmp_path))])
     budget_s = 420
     # The script's --gpu-memory-utilization 0.90 is a share of the node's memory on CPU, and
     # vLLM refuses to start when that much is not free (it was not on a 2-core Xeon's 11 GiB
@@ -154,13 +165,14 @@ def test_serve_ab_script_on_cpu(tmp_path):
     engine = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", server_log)}
     assert engine, server_log[-2000:]
     time.sleep(1)
-    assert _with_model(psutil.process_iter()) == [], log
+    assert _with_model(psutil.process_iter(), served_model(tmp_path)) == [], log
     assert not [pid for pid in engine if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
     # the API server processes too (retitled VLLM::APIServer_i: no model path in their cmdline)
-    assert re.findall(r"\(ApiServer_1 pid=\d+\)", server_log), server_log[-2000:]
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if "VLLM::APIServer" in " ".join(p.info["cmdline"] or [])], log
+    api = {int(pid) for pid in re.findall(r"\(ApiServer_\d+ pid=(\d+)\)", server_log)}
+    assert len(api) == 2, server_log[-2000:]
+    assert not [pid for pid in api if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
 
 
 @pytest.mark.vllm
@@ -218,7 +230,7 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     md = (tmp_path / "rep" / "ab_pair.md").read_text()
     assert "rounds per system: stock 2, custom 2" in md, md
     time.sleep(1)
-    assert _with_model(psutil.process_iter()) == [], log
+    assert _with_model(psutil.process_iter(), served_model(tmp_path)) == [], log
 
 
 @pytest.mark.vllm
@@ -248,7 +260,7 @@ def test_a_pair_whose_custom_server_dies_at_start_serves_stocks_rounds(tmp_path)
     assert not list(out.glob("*custom-r*"))
     assert "stand-in: no CUSTOM" in (out / "server_custom.log").read_text()
     time.sleep(1)
-    assert _with_model(psutil.process_iter()) == [], log
+    assert _with_model(psutil.process_iter(), served_model(tmp_path)) == [], log
 
 
 def test_a_budget_too_short_for_a_server_start_starts_nothing(tmp_path):
