@@ -4,6 +4,7 @@ child): what it writes to kv.tsv is what serve_ab_report reads."""
 from __future__ import annotations
 
 import http.server
+import statistics
 import importlib.util
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_samples_are_tagged_with_the_workload_and_cover_both_processes(tmp_path,
     assert set(by_metric["vllm:num_requests_running"]) == {7.0}
     assert "vllm:num_requests_waiting" not in by_metric
     assert len(by_metric["api_server_cpu_pct"]) >= 4            # 2 s at 0.25 s
-    assert min(by_metric["api_server_cpu_pct"][1:]) > 50          # the busy loop: ~100
+    assert reads_busy(by_metric["api_server_cpu_pct"])            # the busy loop
     assert max(by_metric["engine_core_cpu_pct"]) < 20             # found, and idle
     assert "client_cpu_pct" not in by_metric                      # no `vllm bench serve` ran
     # gpu_busy_pct only where NVML answers (the device machine), never made up elsewhere
@@ -94,6 +95,13 @@ def test_samples_are_tagged_with_the_workload_and_cover_both_processes(tmp_path,
 
 
 BUSY = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
+
+
+def reads_busy(samples: list[float]) -> bool:
+    """A busy loop's CPU % samples (the first only starts psutil's interval): ~100 on a core of
+    its own; less, and unevenly, while other processes share the cores (CI's two test workers
+    beside the compile check read 46 once). An idle process reads ~0."""
+    return min(samples[1:]) > 20 and statistics.median(samples[1:]) > 50
 IDLE = "import time; time.sleep(60)"
 
 
@@ -133,6 +141,6 @@ def test_with_several_api_servers_the_busiest_is_sampled_and_the_client_too(tmp_
         if len(row) == 4:
             by_metric.setdefault(row[2], []).append(float(row[3]))
     assert len(by_metric["api_server_cpu_pct"]) >= 4
-    assert min(by_metric["api_server_cpu_pct"][1:]) > 50    # APIServer_0's busy loop, not the idle parent
-    assert min(by_metric["client_cpu_pct"][1:]) > 50
+    assert reads_busy(by_metric["api_server_cpu_pct"])    # APIServer_0's busy loop, not the idle parent
+    assert reads_busy(by_metric["client_cpu_pct"])
     assert max(by_metric["engine_core_cpu_pct"]) < 20
