@@ -162,18 +162,15 @@ def test_serve_ab_script_on_cpu(tmp_path):
     for w in ("prefix1x2k", "random"):
         itl, tpot = float(rows[w].split("|")[18]), float(rows[w].split("|")[4])
         assert 0.3 * tpot < itl < 3 * tpot, summary
-    # The server and its engine core are gone, the earlier call's process too.
+    # The server, its engine core and both API servers are gone (the last two retitled VLLM::*:
+    # no model path in their cmdline, found by the pids the log names), the earlier call's too.
     server_log = (tmp_path / "out" / "server_custom-r7.log").read_text()
     engine = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", server_log)}
-    assert engine, server_log[-2000:]
+    api = {int(pid) for pid in re.findall(r"\(ApiServer_\d+ pid=(\d+)\)", server_log)}
+    assert engine and len(api) == 2, server_log[-2000:]
     time.sleep(1)
     assert _with_model(psutil.process_iter(), served_model(tmp_path)) == [], log
-    assert not [pid for pid in engine if psutil.pid_exists(pid)
-                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
-    # the API server processes too (retitled VLLM::APIServer_i: no model path in their cmdline)
-    api = {int(pid) for pid in re.findall(r"\(ApiServer_\d+ pid=(\d+)\)", server_log)}
-    assert len(api) == 2, server_log[-2000:]
-    assert not [pid for pid in api if psutil.pid_exists(pid)
+    assert not [pid for pid in engine | api if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], log
 
 

@@ -4,8 +4,8 @@ child): what it writes to kv.tsv is what serve_ab_report reads."""
 from __future__ import annotations
 
 import http.server
-import statistics
 import importlib.util
+import statistics
 import subprocess
 import sys
 import threading
@@ -95,6 +95,7 @@ def test_samples_are_tagged_with_the_workload_and_cover_both_processes(tmp_path,
 
 
 BUSY = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
+IDLE = "import time; time.sleep(60)"
 
 
 def reads_busy(samples: list[float]) -> bool:
@@ -103,7 +104,6 @@ def reads_busy(samples: list[float]) -> bool:
     two test workers beside the compile check: 46 once; 35-41 all along for the two busy loops
     of the several-servers test, four busy processes on two cores)."""
     return min(samples[1:]) > 10 and statistics.median(samples[1:]) > 25
-IDLE = "import time; time.sleep(60)"
 
 
 def test_with_several_api_servers_the_busiest_is_sampled_and_the_client_too(tmp_path, metrics_url):
