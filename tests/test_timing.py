@@ -2,6 +2,7 @@
 only in how one call is timed)."""
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -27,13 +28,19 @@ def test_warm_up_runs_each_once_before_the_rounds():
     assert log == list("AB" "AB" "BA")      # warm-up, then 2 rounds of 1 repeat
 
 
-def test_machine_drift_falls_on_both_contenders_alike():
+def test_machine_drift_falls_on_both_contenders_alike(monkeypatch):
     """Two identical contenders on a machine that slows down by 2 ms every call: timed one after
-    the other the second looks far slower; side by side their medians agree."""
+    the other the second looks far slower; side by side their medians agree. The Timer reads a
+    virtual clock each call advances by its drifted time: sleeping that long instead read 1.28
+    side by side once, the sleeps' wake-ups late on a loaded machine (CI's two test workers)."""
+    from vllm_chunkattn.bench import timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
     def drifting():
-        time.sleep(0.001 + 0.002 * len(calls))
+        now[0] += 0.001 + 0.002 * len(calls)
         calls.append(1)
 
     def ratio(rounds):
