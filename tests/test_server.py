@@ -3,6 +3,7 @@
 over-long prompt with vLLM's normal 400, stops. Models whose attention TPP cannot compute exactly
 are refused at start-up with a message naming the reason."""
 import json
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -110,27 +111,86 @@ def _model_dir(tmp_path, name, config):
 
 SMALL = dict(vocab_size=2048, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
              torch_dtype="float32")
-REFUSED = {
-    "sliding window": dict(
+MODELS = {
+    "mistral": dict(
         architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=256,
         intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, sliding_window=128, rms_norm_eps=1e-5, **SMALL),
-    "ALiBi": dict(
+    "bloom": dict(
         architectures=["BloomForCausalLM"], model_type="bloom", hidden_size=256, n_layer=1,
         n_head=4, layer_norm_epsilon=1e-5, **SMALL),
+    # Sliding layers interleaved with full ones, and a soft cap on the attention logits.
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=128, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=64, rms_norm_eps=1e-6, **SMALL),
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None,
+        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, rms_norm_eps=1e-6,
+        **SMALL),
 }
 
 
-@pytest.mark.parametrize("reason", list(REFUSED))
-def test_inexact_models_are_refused_at_startup(reason, tmp_path):
-    model = _model_dir(tmp_path, reason.replace(" ", "_"), REFUSED[reason])
-    server = ServerProcess(str(model), FLAGS + ["--attention-backend", "CUSTOM",
-                                                "--load-format", "dummy"])
+@pytest.mark.parametrize("reason, model, where", [
+    ("sliding window", "mistral", "config"),    # the config shows it: no engine starts
+    ("ALiBi", "bloom", "worker"),               # model code: the attention layers refuse it
+])
+def test_inexact_models_are_refused_at_startup(reason, model, where, tmp_path):
+    server = ServerProcess(str(_model_dir(tmp_path, model, MODELS[model])),
+                           FLAGS + ["--attention-backend", "CUSTOM", "--load-format", "dummy"])
     with pytest.raises(ServerError) as err:
         server.start(timeout_s=300)
     message = str(err.value)
     assert "cannot serve this model exactly" in message
     assert reason.lower() in message.lower()
+    engine_started = any("EngineCore" in line for line in server.lines)
+    assert engine_started == (where == "worker"), server.tail()
+
+
+def _engine_config(model, **engine_args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_chunkattn.plugin import register
+    register()
+    return EngineArgs(model=str(model), load_format="dummy", dtype="float32", max_model_len=512,
+                      **engine_args).create_engine_config()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+
+
+@pytest.mark.parametrize("model, engine_args, reason", [
+    ("mistral", {}, "cannot serve this model exactly: sliding window attention (window 128)"),
+    ("gemma2", {}, "sliding window attention (window 128), logits soft-capping (50.0)"),
+    ("deepseek_v2", {}, "cannot serve this model exactly: MLA"),
+    (None, {"kv_cache_dtype": "fp8"}, "cannot serve this model exactly: quantized KV cache (fp8)"),
+    (None, {"speculative_config": NGRAM},
+     "the chunk prefix tree KV cache manager (--attention-backend CUSTOM) does not support "
+     "speculative decoding"),
+])
+def test_what_the_config_shows_is_refused_where_the_config_is_built(model, engine_args, reason,
+                                                                    tmp_path):
+    """The API server (or the user's LLM()) refuses before any engine or worker starts; the
+    same config without the flag is vLLM's to serve."""
+    path = _model_dir(tmp_path, model, MODELS[model]) if model else tiny_model()
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        _engine_config(path, attention_backend="CUSTOM", **engine_args)
+    _engine_config(path, **engine_args)
+
+
+def test_the_models_we_serve_are_not_refused(tmp_path):
+    """No refusal where the layers would accept: the Qwen2 configs carry a sliding_window that
+    their use_sliding_window=false turns off; each gets the tree as its KV cache manager."""
+    from vllm_chunkattn.model_shapes import SHAPES, make_shape_model
+    from vllm_chunkattn.plugin import ASYNC_SCHEDULER_PATH, SCHEDULER_PATH
+    models = [tiny_model()] + [make_shape_model(name, tmp_path / name) for name in SHAPES]
+    for model in models:
+        config = _engine_config(model, attention_backend="CUSTOM")
+        assert config.scheduler_config.scheduler_cls in (SCHEDULER_PATH, ASYNC_SCHEDULER_PATH)
 
 
 def test_mla_is_refused_by_backend_selection():

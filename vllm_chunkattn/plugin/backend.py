@@ -30,6 +30,7 @@ from ..plan import TppPlan
 from ..plan_cache import PlanCache
 from ..plan_capacity import PlanCapacity
 from . import logger
+from .exactness import KV_CACHE_DTYPES, layer_refusals, refusal
 from .host_block_table import host_block_table, host_seq_lens
 from .sharing_stats import SHARING_STATS
 
@@ -46,7 +47,7 @@ class ChunkAttnBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -287,8 +288,10 @@ class ChunkAttnImpl(AttentionImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  **extra_impl_args):
-        _refuse_inexact(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
-                        kv_cache_dtype, extra_impl_args.get("sinks"))
+        reasons = layer_refusals(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
+                                 kv_cache_dtype, extra_impl_args.get("sinks"))
+        if reasons:
+            raise refusal(reasons)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -332,25 +335,3 @@ class ChunkAttnImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.base.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-
-
-def _refuse_inexact(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_cache_dtype,
-                    sinks) -> None:
-    """Start-up refusal of models whose attention TPP decode would not compute exactly."""
-    reasons = []
-    if alibi_slopes is not None:
-        reasons.append("ALiBi position biases")
-    if sliding_window is not None:
-        reasons.append(f"sliding-window attention (window {sliding_window})")
-    if logits_soft_cap:
-        reasons.append(f"logits soft-capping ({logits_soft_cap})")
-    if attn_type != AttentionType.DECODER:
-        reasons.append(f"{attn_type} attention (only decoder self-attention is supported)")
-    if kv_cache_dtype not in ChunkAttnBackend.supported_kv_cache_dtypes:
-        reasons.append(f"quantized KV cache ({kv_cache_dtype})")
-    if sinks is not None:
-        reasons.append("attention sinks")
-    if reasons:
-        raise ValueError("--attention-backend CUSTOM (ChunkAttention) cannot serve this model "
-                         f"exactly: it uses {', '.join(reasons)}. Run without the flag to use "
-                         "vLLM's own attention.")

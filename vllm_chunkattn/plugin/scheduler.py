@@ -132,7 +132,21 @@ def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
     """The tree needs every slot's token id by the time the step's output arrives (so no
     speculative lookahead), one full-attention KV cache group, and no external KV (connectors)
     or KV events; say so at start-up rather than fail mid-serving."""
-    reasons = kv_cache_config_refusals(kv_cache_config)
+    reasons = kv_cache_config_refusals(kv_cache_config) + config_refusals(vllm_config)
+    if reasons:
+        raise tree_refusal(reasons)
+
+
+def tree_refusal(reasons: list[str]) -> ValueError:
+    return ValueError("the chunk prefix tree KV cache manager (--attention-backend CUSTOM) "
+                      f"does not support {', '.join(reasons)}")
+
+
+def config_refusals(vllm_config) -> list[str]:
+    """What the config alone shows the tree cannot serve. Asked first where the config is built
+    (plugin/__init__.py: the API server stops before any engine starts), and again here, where a
+    scheduler made another way (tests/external) first meets the config."""
+    reasons = []
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding (lookahead slots have no tokens yet)")
     if vllm_config.kv_transfer_config is not None:
@@ -140,9 +154,7 @@ def _refuse_unsupported(vllm_config, kv_cache_config) -> None:
     if vllm_config.kv_events_config is not None and \
             vllm_config.kv_events_config.enable_kv_cache_events:
         reasons.append("KV cache events")
-    if reasons:
-        raise ValueError("the chunk prefix tree KV cache manager (--attention-backend CUSTOM) "
-                         f"does not support {', '.join(reasons)}")
+    return reasons
 
 
 def kv_cache_config_refusals(kv_cache_config) -> list[str]:
