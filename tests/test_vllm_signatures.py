@@ -243,6 +243,26 @@ def test_the_platform_methods_the_plugin_wraps_keep_their_signatures(vllm_root):
     assert found == wrapped
 
 
+def test_the_config_fields_the_start_up_refusals_read_exist(vllm_root):
+    """plugin/exactness.py and scheduler.config_refusals read these where the config is built;
+    exactness mirrors vLLM's rule that CacheConfig.sliding_window is set only when every layer
+    slides (EngineArgs.create_engine_config), so that rule is checked too."""
+    def attributes(relative, cls):
+        return self_attributes(find_class(parse(vllm_root, relative), cls))
+    assert {"hf_text_config", "get_sliding_window", "use_mla", "is_encoder_decoder"} <= \
+        attributes("config/model.py", "ModelConfig")
+    assert {"sliding_window", "cache_dtype"} <= attributes("config/cache.py", "CacheConfig")
+    assert {"model_config", "cache_config", "attention_config", "scheduler_config",
+            "speculative_config", "kv_transfer_config", "kv_events_config"} <= \
+        attributes("config/vllm.py", "VllmConfig")
+    create = methods(find_class(parse(vllm_root, "engine/arg_utils.py"), "EngineArgs"))[
+        "create_engine_config"]
+    rule = [ast.unparse(n.test) for n in ast.walk(create) if isinstance(n, ast.If)
+            and "layer_types" in ast.unparse(n.test)]
+    assert rule == ["layer_types is None or all((lt == 'sliding_attention' for lt in "
+                    "layer_types))"], rule
+
+
 def top_level_names(module: ast.Module) -> set[str]:
     names = set()
     for node in module.body:
