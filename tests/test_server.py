@@ -1,7 +1,8 @@
 """The OpenAI server with --attention-backend CUSTOM: starts, answers /v1/completions and
 /metrics (vLLM's metrics and the chunkattn:* sharing metrics, with no set-up), rejects an
 over-long prompt with vLLM's normal 400, stops. Models whose attention TPP cannot compute exactly
-are refused at start-up with a message naming the reason."""
+are refused at start-up with a message naming the reason: where the config is built when the
+config shows it (no engine starts), else by the worker's attention layers."""
 import json
 import re
 import shutil
@@ -132,6 +133,12 @@ MODELS = {
         qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=4,
         n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, rms_norm_eps=1e-6,
         **SMALL),
+    "whisper": dict(
+        architectures=["WhisperForConditionalGeneration"], model_type="whisper", d_model=256,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=512, decoder_ffn_dim=512, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448, decoder_start_token_id=1, pad_token_id=0,
+        is_encoder_decoder=True, **SMALL),
 }
 
 
@@ -156,7 +163,8 @@ def _engine_config(model, **engine_args):
 
     from vllm_chunkattn.plugin import register
     register()
-    return EngineArgs(model=str(model), load_format="dummy", dtype="float32", max_model_len=512,
+    engine_args = {"max_model_len": 512, **engine_args}
+    return EngineArgs(model=str(model), load_format="dummy", dtype="float32",
                       **engine_args).create_engine_config()
 
 
@@ -167,6 +175,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     ("mistral", {}, "cannot serve this model exactly: sliding window attention (window 128)"),
     ("gemma2", {}, "sliding window attention (window 128), logits soft-capping (50.0)"),
     ("deepseek_v2", {}, "cannot serve this model exactly: MLA"),
+    ("whisper", {"max_model_len": 448},
+     "cannot serve this model exactly: encoder-decoder attention"),
     (None, {"kv_cache_dtype": "fp8"}, "cannot serve this model exactly: quantized KV cache (fp8)"),
     (None, {"speculative_config": NGRAM},
      "the chunk prefix tree KV cache manager (--attention-backend CUSTOM) does not support "

@@ -5,7 +5,8 @@ block size the kernel takes (stock picks FLASH_ATTN), that the tree's async sche
 installed with async scheduling and FULL_AND_PIECEWISE graphs left on, and that ChunkAttnImpl and
 ChunkAttnMetadataBuilder construct over FLASH_ATTN's (the builder on a CPU device, with the
 PyTorch reference standing in for the kernel), and that a GPU the kernel cannot serve (an L4's
-99 KB per block at head 256) is refused by vLLM's own selection with the reason. torch has no
+99 KB per block at head 256) is refused by vLLM's own selection with the reason, and an fp8 KV
+cache with the flag where the config is built. torch has no
 driver here, so the device's properties are an H100's (or the L4's) as torch would report them.
 Exit 1 on any failure.
 
@@ -61,6 +62,7 @@ def main() -> int:
             if not ok:
                 failures.append(line)
     failures += refused_where_it_cannot_serve(cfg)
+    failures += refused_where_the_config_is_built(model)
     base, layout, layouts = be._platform_base()
     print("platform base:", base.get_name(), layout, layouts)
     if base.get_name() != "FLASH_ATTN" or layout != "flash":
@@ -118,6 +120,29 @@ def refused_where_it_cannot_serve(cfg) -> list[str]:
     finally:
         stand_in_device(H100)
         _cached_get_attn_backend.cache_clear()
+    return failures
+
+
+def refused_where_the_config_is_built(model) -> list[str]:
+    """A quantized KV cache (an fp8 cache is common on GPUs) with CUSTOM: the config's own
+    construction on the CUDA platform refuses it (plugin/exactness.py); stock takes it."""
+    from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    failures = []
+    for requested in (None, AttentionBackendEnum.CUSTOM):
+        try:
+            VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16"),
+                       cache_config=CacheConfig(block_size=16, cache_dtype="fp8"),
+                       attention_config=AttentionConfig(backend=requested))
+            line, ok = f"fp8 KV cache, backend={requested and requested.name}: built", \
+                requested is None
+        except ValueError as e:
+            line = (f"fp8 KV cache, backend={requested and requested.name}: refused: "
+                    f"{' '.join(str(e).split())[:240]}")
+            ok = requested is not None and "quantized KV cache (fp8)" in str(e)
+        print(line)
+        if not ok:
+            failures.append(line)
     return failures
 
 

@@ -32,7 +32,8 @@ def layer_refusals(alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
     if logits_soft_cap:
         reasons.append(f"logits soft-capping ({logits_soft_cap})")
     if attn_type != AttentionType.DECODER:
-        reasons.append(f"{attn_type} attention (only decoder self-attention is supported)")
+        kind = str(getattr(attn_type, "value", attn_type)).replace("_", "-")   # enum or str
+        reasons.append(f"{kind} attention (only decoder self-attention is supported)")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         reasons.append(f"quantized KV cache ({kv_cache_dtype})")
     if sinks is not None:
