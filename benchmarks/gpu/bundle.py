@@ -1,5 +1,5 @@
 """Bundle builder: the wheels the lent GPU lacks for `vllm serve` + `vllm bench serve` with
-vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 56 MiB parts that
+vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 50 MiB parts that
 travel one per device call (README.md). Three groups, back to back: core (vLLM on the image's
 torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two carried only
 if the device's install asks for them. What the image holds: device_image.py.
@@ -39,9 +39,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part per device call)
 MANIFEST = HERE / "bundle_manifest.txt"
-# 56 MiB leaves the tree that travels with every part call 8 MiB (it outgrew 4 MiB beside 60 MiB
-# parts with the H100 results, 2026-11-26); the core group still takes 5 parts.
-PART_BYTES = 56 << 20
+# 50 MiB leaves the tree that travels with every part call 14 MiB (it outgrew 4 MiB beside 60 MiB
+# parts with the H100 results, 2026-11-26, and was 7.2 of 8 MiB beside 56 MiB ones, 2026-11-28,
+# with a GPU session's results ~1 MiB); the core group's 244.7 MiB still take 5 parts.
+PART_BYTES = 50 << 20
 CALL_BYTES = 64 << 20          # what one device call carries at most: the tree and one part
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
 XZ_MIN = 16 << 20              # wheels this big travel as xz (torch, vllm, triton: 21 -> 16 parts)
