@@ -192,6 +192,20 @@ def test_what_the_config_shows_is_refused_where_the_config_is_built(model, engin
     _engine_config(path, **engine_args)
 
 
+def test_a_config_without_a_model_is_checked_for_what_it_has():
+    """vLLM's own tests build configs with no model: the tree is still installed, and only what
+    the config holds (here the KV cache's dtype) is checked."""
+    from vllm.config import AttentionConfig, CacheConfig, VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_chunkattn.plugin import SCHEDULER_PATH, register
+    register()
+    custom = AttentionConfig(backend=AttentionBackendEnum.CUSTOM)
+    assert VllmConfig(attention_config=custom).scheduler_config.scheduler_cls == SCHEDULER_PATH
+    with pytest.raises(ValueError, match=re.escape("quantized KV cache (fp8)")):
+        VllmConfig(attention_config=custom, cache_config=CacheConfig(cache_dtype="fp8"))
+
+
 def test_the_models_we_serve_are_not_refused(tmp_path):
     """No refusal where the layers would accept: the Qwen2 configs carry a sliding_window that
     their use_sliding_window=false turns off; each gets the tree as its KV cache manager."""

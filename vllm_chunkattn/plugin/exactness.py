@@ -48,6 +48,8 @@ def config_refusals(vllm_config) -> list[str]:
     resolved KV cache dtype; an encoder-decoder's cross-attention; MLA (vLLM's own backend
     selection refuses it in the worker)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None:                     # a config without a model (vLLM's own tests make them)
+        return layer_refusals(kv_cache_dtype=cache.cache_dtype)
     text = model.hf_text_config
     window = cache.sliding_window
     if window is None and "sliding_attention" in (getattr(text, "layer_types", None) or ()):
