@@ -57,10 +57,13 @@ class ServerError(RuntimeError):
 
 
 # "ValueError: ..." as it appears in vLLM's logs; the wrappers vLLM adds around the real cause
-# ("Engine core initialization failed", "Worker failed with error ...") are skipped.
+# ("Engine core initialization failed", "Worker failed with error ...") are skipped. A ValueError
+# raised while vLLM's (pydantic) config is built reads "ValidationError: 1 validation error for
+# VllmConfig", then "  Value error, <the message> [type=value_error, ...]" on the next line.
 _ERROR_LINE = re.compile(r"\b([A-Za-z]+(?:Error|Exception)): (.+)$")
+_CONFIG_VALUE_ERROR = re.compile(r"^\s*Value error, (.+?)(?: \[type=value_error\b.*)?$")
 _WRAPPERS = ("Engine core initialization failed", "Worker failed with error",
-             "See root cause above")
+             "See root cause above", "validation error for")
 
 
 class ServerProcess:
@@ -116,6 +119,8 @@ class ServerProcess:
             m = _ERROR_LINE.search(line)
             if m and not any(w in line for w in _WRAPPERS + (" WARNING ", " INFO ")):
                 self.errors.append(f"{m.group(1)}: {m.group(2).strip()}")
+            elif m := _CONFIG_VALUE_ERROR.match(line):
+                self.errors.append(f"ValueError: {m.group(1).strip()}")
             if log:
                 log.write(line)
                 log.flush()
