@@ -4,8 +4,9 @@ Two places ask. The worker's attention layers know their own arguments (backend.
 but by then an engine core and its workers have started, and `vllm serve` prints the reason
 inside a worker's traceback, under the engine's "initialization failed". The process that builds
 the config (the API server, or the user's `LLM(...)`) asks first, from what the config already
-shows, so a refused start stops there, in seconds, with the reason as its last line. ALiBi and
-attention sinks are model code, not config: the layers still refuse those.
+shows, so a refused start stops there, in seconds, with the reason in its one error (vLLM's
+pydantic config wraps it: "Value error, <the reason>"). ALiBi and attention sinks are model code,
+not config: the layers still refuse those.
 """
 from __future__ import annotations
 
