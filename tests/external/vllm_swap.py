@@ -57,7 +57,8 @@ def _install_swap() -> None:
     from vllm_chunkattn.plugin import register
     from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
     from vllm_chunkattn.plugin.scheduler import (ChunkAttnAsyncScheduler, ChunkAttnScheduler,
-                                                 _refuse_unsupported, kv_cache_config_refusals)
+                                                 _refuse_unsupported, kv_cache_config_refusals,
+                                                 tree_refusal)
 
     register()                           # CUSTOM -> ChunkAttnBackend, as the entry point does
     from vllm_chunkattn.plugin.backend import ChunkAttnMetadataBuilder
@@ -83,8 +84,7 @@ def _install_swap() -> None:
             if stock.enable_kv_cache_events:
                 reasons.append("KV cache events")
             if reasons:
-                raise ValueError("the chunk prefix tree KV cache manager does not support "
-                                 + ", ".join(reasons))
+                raise tree_refusal(reasons)
             block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
             super().__init__(stock, block_size)
             USES[0] += 1
