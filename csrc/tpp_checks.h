@@ -1,7 +1,7 @@
 // The contract of chunkattn::tpp_decode, written once for every device: the CPU op
 // (csrc/cpu/tpp_decode.cpp), the CUDA op (csrc/cuda/tpp_decode.cu) and the host plan check op
 // (csrc/tpp_checks.cpp) call these, so a bad call fails with the same message everywhere.
-//   check_tpp_args: shapes, dtypes, strides. Reads no tensor data, so it is free on CUDA.
+//   check_tpp_args: the scale, shapes, dtypes, strides. Reads no tensor data, so it is free on CUDA.
 //   check_tpp_plan: the plan's indices stay inside the cache, the block table and the workspace.
 //     Reads the plan through host pointers: the CPU op runs it on every call; for CUDA the builder
 //     runs it once per step on the host plan, before the copy to the device (reading the device
@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -62,7 +63,10 @@ inline TppSizes check_tpp_args(
     const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
     const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
     const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o, const at::Tensor& partial_m,
-    const at::Tensor& partial_l, const at::Tensor& out, const std::optional<at::Tensor>& lse) {
+    const at::Tensor& partial_l, double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse) {
+  // Positive: the CUDA kernels take each row's max of the unscaled scores and scale it alone
+  // (tpp_attend_tile.cuh, mask_and_max), which a negative scale would turn into the min.
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), "tpp_decode: scale must be positive and finite, got ", scale);
   TORCH_CHECK(query.dim() == 3, "tpp_decode: query must be [num_seqs, num_heads, head_size], got ", query.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "tpp_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got ",

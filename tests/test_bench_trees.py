@@ -295,6 +295,11 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     assert list(finals) == ["b=4 P=64 S=20"]
     timed = dict(part.split(": ") for part in finals["b=4 P=64 S=20"].split("; "))
     assert [int(k) for k in timed] == list(kernel_gpu.FINAL_STAGES) == [64, 32]
+    # ... and at each partial-launch stage size (the chunk-first launch alone: CUDA only)
+    partials = {r["point"]: r["partial_sweep_us"] for r in rows if r["partial_sweep_us"]}
+    assert list(partials) == ["b=4 P=64 S=20"]
+    timed = dict(part.split(": ") for part in partials["b=4 P=64 S=20"].split("; "))
+    assert [int(k) for k in timed] == list(kernel_gpu.PARTIAL_STAGES) == [64, 32]
     # ... and with each KV address path, at the same points
     kv = {r["point"]: r["kv_sweep_us"] for r in rows if r["kv_sweep_us"]}
     assert list(kv) == ["b=4 P=64 S=20"]
@@ -305,6 +310,7 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     assert "- smoke b=4 P=64 S=20: the op's choice " in md
     assert "## Private-tail KV splits" in md and "- smoke b=4 nothing shared: the op's choice " in md
     assert "## Final launch's KV stage: 32 tokens (default) against 64" in md
+    assert "## Partial launch's KV stage: 64 tokens (default) against 32" in md
     assert "## KV loads' addresses: one 32-bit offset (default) against 64-bit ones" in md
 
 

@@ -15,7 +15,7 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.testing import (LONG_TREE, TREE_SPECS, assert_matches_reference,
+from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, LONG_TREE, TREE_SPECS, assert_matches_reference,
                                     caterpillar_batch, pad_batch, poison_unread_kv,
                                     random_tree_batch, split_spare_slots, tpp_work,
                                     value_cache_elsewhere)
@@ -241,11 +241,14 @@ def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     assert work["device_splits"] == 1 and work["chunk_splits"] == 1
 
 
+@pytest.mark.parametrize("stage", ["64", "32"])
 @pytest.mark.parametrize("resident", [2, 5])
-def test_a_padded_plans_ctas_loop_over_every_item(emu, resident):
+def test_a_padded_plans_ctas_loop_over_every_item(emu, monkeypatch, resident, stage):
     # A padded plan's grid holds one wave of chunk CTAs (resident_ctas / kv heads), whatever its
     # capacities; each loops over the real tree's (split, window) items. A deep tree has more
-    # items than CTAs: every item must still be attended once (and smem reused safely).
+    # items than CTAs: every item must still be attended once (and smem reused safely), in either
+    # of the partial launch's stages (CHUNKATTN_PARTIAL_STAGE_TOKENS).
+    monkeypatch.setenv("CHUNKATTN_PARTIAL_STAGE_TOKENS", stage)
     b = batch("deep_tree", num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
     rows, width = b.query.shape[0], b.block_table.shape[1]
     cap = PlanCapacity.for_batch(rows, width)
@@ -273,6 +276,27 @@ def test_refuses_what_the_kernel_cannot_take(emu):
     b = batch("batch_1", dtype=torch.float16, head_size=96)
     with pytest.raises(RuntimeError, match="head_size must be 64, 128 or 256"):
         run(emu, b, plan_of(b))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_refuses_a_scale_that_is_not_positive(emu, scale):
+    # The kernel scales each row's max of the raw scores alone (mask_and_max): a negative scale
+    # would make it the min. The CPU op refuses the same (tests/test_ops_cpu.py).
+    b = batch("batch_1", dtype=torch.float16, head_size=64)
+    b.scale = scale
+    with pytest.raises(RuntimeError, match="scale must be positive and finite"):
+        run(emu, b, plan_of(b))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.3, 4.0])
+def test_any_positive_scale(emu, scale):
+    # The scale reaches the kernel's softmax twice: once on each row's max, once in the exponent's
+    # FFMA. Near-uniform weights (1e-3) to a few dominant tokens (4.0, scores of a few units):
+    # masked last stages and chunk partials included (system_prompts: shared nodes, private tails).
+    b = batch("system_prompts", seed=5, num_heads=16, num_kv_heads=4, head_size=64, dtype=torch.float16)
+    b.scale = scale
+    plan = plan_of(b)
+    assert_matches_reference(b, plan, *run(emu, b, plan))
 
 
 def test_an_out_of_range_block_id_is_an_error_not_a_read(emu):
@@ -317,28 +341,37 @@ FINAL_SMEM = {(64, 64): 768 + 16 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 39,936
               (128, 32): 768 + 16 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 39,936
 
 
+# Partial-launch smem by hand (TileShape::smem_bytes(64)): 768 bytes of row meta, 64 Q rows of
+# (D + 8) halves, 2 stages x (K + V) x tokens x (D + 8) halves.
+PARTIAL_SMEM = {(64, 64): 768 + 64 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 46,848
+                (64, 32): 768 + 64 * 72 * 2 + 2 * 2 * 32 * 72 * 2,      # 28,416
+                (128, 64): 768 + 64 * 136 * 2 + 2 * 2 * 64 * 136 * 2,   # 87,808
+                (128, 32): 768 + 64 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 53,760
+
 @pytest.mark.parametrize("at_issue", [False, True])
-@pytest.mark.parametrize("case", [("long", 64, (1, 1)), ("long", 128, (1, 3)),
-                                  ("deep_tree", 128, (4, 4)), ("no_sharing", 128, (1, 2)),
-                                  ("system_prompts", 64, (3, 2))])
+@pytest.mark.parametrize("launch,case", COMPACT_STAGE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_final_launch_in_compact_stages(emu, splits, monkeypatch, case, dtype, at_issue):
-    # By default the final launch streams split 0 of each tail in stages of 32 tokens (2 of its 4
-    # warps per stage) inside split bounds laid out in 64-token stages, and lists its slots in the
-    # smaller smem; CHUNKATTN_FINAL_STAGE_TOKENS=64 keeps the partial launch's stage. The same
-    # results, in the smem worked out by hand.
+def test_each_launch_in_compact_stages(emu, splits, monkeypatch, launch, case, dtype, at_issue):
+    # CHUNKATTN_{FINAL,PARTIAL}_STAGE_TOKENS=32: the launch streams its KV in stages of 32 tokens
+    # (a <= 16-row CTA: 2 of its 4 warps a stage) inside split bounds laid out in 64-token stages
+    # (the final launch's default; the partial launch's an option: 3 CTAs an SM at head 128);
+    # =64: the 64-token stage. The same results in the smem worked out by hand, the other launch
+    # in its default stage.
     spec, head_size, forced = case
     b = batch(spec, seed=9, num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
               dtype=dtype)
     plan = plan_of(b)
     splits(*forced)
     spare = split_spare_slots(plan, b.query.shape[0], *forced)
-    monkeypatch.delenv("CHUNKATTN_FINAL_STAGE_TOKENS", raising=False)   # the default
-    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
-    assert emu.last_launch()[3] == FINAL_SMEM[(head_size, 32)]
-    monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", "64")
-    assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
-    assert emu.last_launch()[3] == FINAL_SMEM[(head_size, 64)]
+    other = "FINAL" if launch == "partial" else "PARTIAL"
+    monkeypatch.delenv(f"CHUNKATTN_{other}_STAGE_TOKENS", raising=False)
+    for tokens in (32, 64):
+        monkeypatch.setenv(f"CHUNKATTN_{launch.upper()}_STAGE_TOKENS", str(tokens))
+        assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare, at_issue=at_issue))
+        shape = emu.last_launch()
+        partial, final = (tokens, 32) if launch == "partial" else (64, tokens)
+        assert shape[2] == PARTIAL_SMEM[(head_size, partial)] and shape[3] == FINAL_SMEM[(head_size, final)]
+    assert PARTIAL_SMEM[(head_size, 64)] == emu.partial_smem_bytes(head_size)     # the default's
 
 
 def test_the_64_token_final_stage_merges_slots_in_batches(emu, splits, monkeypatch):
@@ -375,13 +408,15 @@ def test_kv_addresses_in_32_or_64_bits_read_the_same_tokens(emu, monkeypatch, he
     assert emu.last_launch()[4] == 0
 
 
-def test_head_256_has_one_final_stage_whatever_the_knob(emu, monkeypatch):
-    # Head 256 already stages 32 tokens: the knob changes nothing (2 stages x (K + V) x 32 x 264).
+def test_head_256_has_one_stage_whatever_the_knobs(emu, monkeypatch):
+    # Head 256 already stages 32 tokens: the knobs change nothing (2 stages x (K + V) x 32 x 264).
     b = batch("system_prompts", seed=2, num_heads=8, num_kv_heads=2, head_size=256,
               block_size=16, dtype=torch.float16)
     plan = plan_of(b)
-    want = 768 + 16 * 264 * 2 + 2 * 2 * 32 * 264 * 2
-    for knob in ("64", "0"):
+    want_final = 768 + 16 * 264 * 2 + 2 * 2 * 32 * 264 * 2
+    want_partial = 768 + 64 * 264 * 2 + 2 * 2 * 32 * 264 * 2
+    for knob in ("64", "32", "0"):
         monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", knob)
+        monkeypatch.setenv("CHUNKATTN_PARTIAL_STAGE_TOKENS", knob)
         assert_matches_reference(b, plan, *run(emu, b, plan))
-        assert emu.last_launch()[3] == want
+        assert emu.last_launch()[3] == want_final and emu.last_launch()[2] == want_partial

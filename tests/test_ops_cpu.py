@@ -198,6 +198,11 @@ def test_rejects_bad_arguments():
     b.block_table[0, 0] = 10 ** 6
     with pytest.raises(RuntimeError, match="block_table"):
         run_native(b, plan)
+    b = random_tree_batch(0, **TREE_SPECS["batch_1"], layout="flash")
+    for scale in (0.0, -0.125, float("nan"), float("inf")):  # the contract every device shares
+        b.scale = scale
+        with pytest.raises(RuntimeError, match="scale must be positive and finite"):
+            run_native(b, plan)
 
 
 @pytest.mark.parametrize("spec,dtype", [("system_prompts", torch.bfloat16),

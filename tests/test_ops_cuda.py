@@ -9,7 +9,7 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.testing import (LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
+from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
                                     caterpillar_batch, pad_batch, poison_unread_kv,
                                     random_tree_batch, split_spare_slots,
                                     value_cache_elsewhere)
@@ -144,14 +144,13 @@ def test_a_final_cta_merges_its_slots_in_batches(ops, splits, monkeypatch, spec,
     check(b, plan, *run(ops, b, plan, spare_slots=spare))
 
 
-@pytest.mark.parametrize("case", [("long", 64, (1, 1)), ("long", 128, (1, 3)),
-                                  ("deep_tree", 128, (4, 4)), ("no_sharing", 128, (1, 2)),
-                                  ("system_prompts", 64, (3, 2))])
+@pytest.mark.parametrize("launch,case", COMPACT_STAGE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_final_launch_in_compact_stages(ops, splits, monkeypatch, case, dtype):
-    """By default the final kernel's compact 32-token instantiation runs (its name in the
-    profiler says so) and gives the reference's results; CHUNKATTN_FINAL_STAGE_TOKENS=64: the
-    64-token one. The SIMT emulation runs the same cases on CPU."""
+def test_each_launch_in_compact_stages(ops, splits, monkeypatch, launch, case, dtype):
+    """CHUNKATTN_{FINAL,PARTIAL}_STAGE_TOKENS=32: the launch's compact 32-token instantiation runs
+    (its name in the profiler says so; the final launch's default, the partial launch's an
+    option: 3 CTAs an SM at head 128) and gives the reference's results; =64: the 64-token one.
+    The SIMT emulation runs the same cases on CPU."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     spec, head_size, forced = case
@@ -161,15 +160,15 @@ def test_the_final_launch_in_compact_stages(ops, splits, monkeypatch, case, dtyp
     plan = plan_of(b)
     splits(*forced)
     spare = split_spare_slots(plan, b.query.shape[0], *forced)
-    for knob, tokens in (("0", 32), ("64", 64)):
-        monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", knob)
+    for tokens in (32, 64):
+        monkeypatch.setenv(f"CHUNKATTN_{launch.upper()}_STAGE_TOKENS", str(tokens))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             got = run(ops, b, plan, spare_slots=spare)
             torch.cuda.synchronize()
         check(b, plan, *got)
-        finals = {e.name for e in prof.events()
-                  if e.device_type == DeviceType.CUDA and "tpp_final_kernel" in e.name}
-        assert finals and all(f", {head_size}, {tokens}>" in n for n in finals), finals
+        kernels = {e.name for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and f"tpp_{launch}_kernel" in e.name}
+        assert kernels and all(f", {head_size}, {tokens}>" in n for n in kernels), kernels
 
 
 @pytest.mark.parametrize("head_size", [64, 128, 256])

@@ -5,7 +5,7 @@ decomposition and its KV splits, on the host and in a padded plan's CTAs);
 each is applied to a copy of csrc/, and those tests run against that copy (-x: stop at the first
 failure). A mutation the tests do not catch is printed as MISSED and the exit status is 1.
 
-    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~45 min on 2 cores (36 mutations)
+    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~50 min on 2 cores (41 mutations)
     .venv/bin/python benchmarks/gpu/kernel_mutations.py KV     # those whose names say "KV"
 """
 from __future__ import annotations
@@ -62,8 +62,14 @@ MUTATIONS = [
     ("no __syncthreads before the KV parts are merged",
      "    __syncthreads();\n    if (part == 0) {", "    if (part == 0) {"),
     ("token mask off by one",
-     "const bool valid = !MASK || tok0 + nb * 8 + (e & 1) < t_end;",
-     "const bool valid = !MASK || tok0 + nb * 8 + (e & 1) <= t_end;"),
+     "if (tok0 + nb * 8 + (e & 1) >= t_end) s[nb][e] = -INFINITY;",
+     "if (tok0 + nb * 8 + (e & 1) > t_end) s[nb][e] = -INFINITY;"),
+    ("a row's max over every other score",
+     "for (int w = 1; w < N; w *= 2)", "for (int w = 2; w < N; w *= 2)"),
+    ("the scale left out of a row's max",
+     "fmaxf(m2[r], mx[r] * p.scale_log2)", "fmaxf(m2[r], mx[r])"),
+    ("the row sum left unrescaled by the new max",
+     "l[r] = fmaf(l[r], alpha[r], tree_reduce(", "l[r] = fmaf(l[r], 1.f, tree_reduce("),
     ("a run's last stage taken for a full one: its tokens past the run unmasked",
      "if (t_begin + (it + 1) * S::kTokens <= t_end)", "if (t_begin + it * S::kTokens < t_end)"),
     ("the final kernel merges the partial slots without waiting for the partial grid",
@@ -82,7 +88,11 @@ MUTATIONS = [
     ("the final merge counts the host's splits, not the launch's",
      "(k1 - k0) * cs.splits", "(k1 - k0) * p.chunk_splits"),
     ("the final launch never picks the compact (default) final kernel",
-     "if (p.final_stage_tokens == kCompactFinalTokens) return f(", "if (false) return f("),
+     "return with_stage<D>(p.final_stage_tokens, f);", "return with_stage<D>(0, f);"),
+    ("the partial launch never picks its compact kernel",
+     "return with_stage<D>(p.partial_stage_tokens, f);", "return with_stage<D>(0, f);"),
+    ("the compact partial kernel's 64-row chunk CTAs stream in the default stage's smem layout",
+     "attend_tile<T, D, 4, false, TOKENS>(", "attend_tile<T, D, 4, false>("),
     ("the compact final kernel streams in the default stage's smem layout",
      "attend_tile<T, D, 1, true, TOKENS>(", "attend_tile<T, D, 1, true>("),
     ("a KV copy uses the next token's block id",

@@ -18,16 +18,18 @@ from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
 from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
 
 # (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad,
-# final stage): pad True: empty nodes added; "capacity": padded as for a CUDA graph
-# (plan_capacity.py) with the splits left to the op (0, 0), so a padded plan's CTAs choose them
-# (tpp_params.cuh), in the workspace the backend gives graphs. Final stage 64: the final launch
-# in the partial launch's stage (CHUNKATTN_FINAL_STAGE_TOKENS; 0: the default, compact stage).
+# (partial stage, final stage)): pad True: empty nodes added; "capacity": padded as for a CUDA
+# graph (plan_capacity.py) with the splits left to the op (0, 0), so a padded plan's CTAs choose
+# them (tpp_params.cuh), in the workspace the backend gives graphs. Stages: partial 32 is its
+# compact stage (CHUNKATTN_PARTIAL_STAGE_TOKENS), final 64 the final launch in the default stage
+# (CHUNKATTN_FINAL_STAGE_TOKENS); 0: each launch's default (64 and the compact 32 at head 128).
 CASES = [
-    ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False, 0),
-    ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False, 0),
-    ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True, 0),
-    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", 0),
-    ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, 64),
+    ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False, (0, 0)),
+    ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False, (0, 0)),
+    ("batch_17", 9, 3, 256, 16, torch.float16, (1, 2), True, (0, 0)),
+    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (0, 0)),
+    ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, (0, 64)),
+    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (32, 0)),
 ]
 
 
@@ -48,8 +50,9 @@ def main() -> int:
     ops = native_ops(torch.device("cuda"))
     assert ops is not None, "the CUDA kernel is not built"
     failures = 0
-    for i, (spec, hq, hkv, d, bs, dtype, splits, padded, final) in enumerate(CASES):
+    for i, (spec, hq, hkv, d, bs, dtype, splits, padded, (partial, final)) in enumerate(CASES):
         os.environ["CHUNKATTN_CHUNK_SPLITS"], os.environ["CHUNKATTN_SEQ_SPLITS"] = map(str, splits)
+        os.environ["CHUNKATTN_PARTIAL_STAGE_TOKENS"] = str(partial)
         os.environ["CHUNKATTN_FINAL_STAGE_TOKENS"] = str(final)
         b = random_tree_batch(i, **TREE_SPECS[spec], num_heads=hq, num_kv_heads=hkv,
                               head_size=d, block_size=bs, dtype=dtype, device="cuda")
@@ -81,7 +84,7 @@ def main() -> int:
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         ok = not out.isnan().any().item() and err < 2e-2
         label = ("capacity " if padded == "capacity" else "padded " if padded else "") + (
-            f"final stage {final} " if final else "")
+            f"partial stage {partial} " if partial else "") + (f"final stage {final} " if final else "")
         failures += not ok
         print(f"{spec:15s} heads {hq}/{hkv} d {d} block {bs} {str(dtype)[6:]:8s} splits {splits} "
               f"{label}nodes {plan.num_nodes} partials {plan.num_partials}: "

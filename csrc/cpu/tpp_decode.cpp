@@ -120,7 +120,7 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
   const chunkattn::TppSizes sizes = chunkattn::check_tpp_args(
       query, key_cache, value_cache, block_table, seq_lens, node_block_indptr, node_block_ids, node_seq_indptr,
       node_seq_ids, seq_partial_indptr, seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-      out, lse);
+      scale, out, lse);
   const int64_t num_seqs = sizes.num_seqs, num_heads = sizes.num_heads, head_size = sizes.head_size;
   const int64_t block_size = sizes.block_size, num_kv_heads = sizes.num_kv_heads;
   const int64_t num_nodes = sizes.num_nodes;

@@ -94,19 +94,50 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
   }
 }
 
-// A stage's scores of the thread's two rows into the log2 domain, and each row's max over them;
-// MASK: tokens at or past t_end become -inf (scores of the zero-filled K rows).
+// Pairwise reduction of a thread's N values (N a power of two): log2(N) dependent steps where a
+// running fold takes N - 1. The stage loop's row max and row sum were such folds of 16 values a
+// row at head 128 (FMNMX, FADD: fixed-latency chains), beside the warp stall the H200's Nsight
+// Compute put first at the served shape's chunk-first launch ("wait", 1.10 warps an issue).
+template <int N, typename Op>
+__device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
+  static_assert((N & (N - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int w = 1; w < N; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < N; i += 2 * w) v[i] = op(v[i], v[i + w]);
+  return v[0];
+}
+
+// A row's values among a thread's scores s[nb][e]: row r of the thread's two is e = 2r, 2r + 1.
+template <int NB>
+__device__ __forceinline__ void row_values(const float s[][4], int r, float (&v)[2 * NB]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    v[2 * nb] = s[nb][2 * r];
+    v[2 * nb + 1] = s[nb][2 * r + 1];
+  }
+}
+
+// A stage's raw scores (q.k, unscaled): MASK sets tokens at or past t_end to -inf (the zero-filled
+// K rows); mx[r] = the max of the thread's share of row r. The scale is applied to the max alone
+// and folded into the exponent's FFMA (scores * scale_log2 - max): the scale is positive
+// (check_tpp_args), and rounding is monotonic, so max(s) * scale_log2 is exactly max(s *
+// scale_log2) and the running max is the same as when each score was scaled first.
 template <bool MASK, int NB>
-__device__ __forceinline__ void scale_scores(float s[][4], float scale_log2, int tok0, int t_end,
-                                             float mx[2]) {
+__device__ __forceinline__ void mask_and_max(float s[][4], int tok0, int t_end, float mx[2]) {
+  if constexpr (MASK) {
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb)
+    for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool valid = !MASK || tok0 + nb * 8 + (e & 1) < t_end;
-      s[nb][e] = valid ? s[nb][e] * scale_log2 : -INFINITY;
-      mx[e / 2] = fmaxf(mx[e / 2], s[nb][e]);
-    }
+      for (int e = 0; e < 4; ++e)
+        if (tok0 + nb * 8 + (e & 1) >= t_end) s[nb][e] = -INFINITY;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float v[2 * NB];
+    row_values<NB>(s, r, v);
+    mx[r] = tree_reduce(v, [](float a, float b) { return fmaxf(a, b); });
+  }
 }
 
 // Merges slot `idx` (natural-log m) into a thread's share of one row's state (log2-domain m).
@@ -230,24 +261,23 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
           mma_16816<T>(s[2 * j + 1], a, b[2], b[3]);
         }
       }
-      // Scale into the log2 domain (tokens past t_end masked: a CTA-uniform branch, only a
-      // run's last stage has any), online softmax per row.
+      // Tokens past t_end masked (a CTA-uniform branch, only a run's last stage has any), then
+      // the online softmax per row in the log2 domain.
       const int tok0 = t_begin + it * S::kTokens + part * kTokW + 2 * (lane % 4);
-      float mx[2] = {-INFINITY, -INFINITY};
+      float mx[2];
       if (t_begin + (it + 1) * S::kTokens <= t_end)
-        scale_scores<false, kTokW / 8>(s, p.scale_log2, tok0, t_end, mx);
+        mask_and_max<false, kTokW / 8>(s, tok0, t_end, mx);
       else
-        scale_scores<true, kTokW / 8>(s, p.scale_log2, tok0, t_end, mx);
+        mask_and_max<true, kTokW / 8>(s, tok0, t_end, mx);
       float ms[2], alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-        const float mn = fmaxf(m2[r], mx[r]);
+        const float mn = fmaxf(m2[r], mx[r] * p.scale_log2);
         ms[r] = safe_max(mn);
         alpha[r] = fast_exp2(m2[r] - ms[r]);  // 0 while the state is still empty
         m2[r] = mn;
-        l[r] *= alpha[r];
       }
 #pragma unroll
       for (int nb = 0; nb < D / 8; ++nb) {
@@ -259,10 +289,13 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
 #pragma unroll
       for (int nb = 0; nb < kTokW / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nb][e] = fast_exp2(s[nb][e] - ms[e / 2]);
-          l[e / 2] += s[nb][e];
-        }
+        for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], p.scale_log2, -ms[e / 2]));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float v[kTokW / 4];
+        row_values<kTokW / 8>(s, r, v);
+        l[r] = fmaf(l[r], alpha[r], tree_reduce(v, [](float a, float b) { return a + b; }));
+      }
       // P (C layout of two n8 blocks) is exactly the A fragment of a k16 step.
 #pragma unroll
       for (int ks = 0; ks < kTokW / 16; ++ks) {

@@ -47,22 +47,25 @@ int device_attribute(int device, int fallback) {
 
 int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 100); }
 
-// Partial-kernel CTAs the device runs at once (SMs x CTAs per SM), read once per device, dtype
-// and head size, with the device current. 2 CTAs per SM if the occupancy query fails, or while
-// `stream` is being captured before any eager call asked (no query inside a capture).
+// Partial-kernel CTAs the device runs at once (SMs x CTAs per SM), read once per device, dtype,
+// head size and stage size, with the device current. The kernel's __launch_bounds__ minimum (2,
+// or 3 in the compact stage) if the occupancy query fails, or while `stream` is being captured
+// before any eager call asked (no query inside a capture).
 int resident_ctas(int device, bool half, int head_size, cudaStream_t stream) {
-  static int cache[64][2][3] = {};
+  static int cache[64][2][3][2] = {};
   if (device < 0 || device >= 64) device = 0;
   const int d = head_size == 64 ? 0 : head_size == 128 ? 1 : 2;
-  int& n = cache[device][half ? 1 : 0][d];
+  const int tokens = partial_stage_tokens(head_size);
+  const int fallback = partial_min_ctas(head_size, tokens);
+  int& n = cache[device][half ? 1 : 0][d][tokens == default_stage_tokens(head_size) ? 0 : 1];
   if (n == 0) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
-    if (capture != cudaStreamCaptureStatusNone) return 2 * sm_count(device);
-    const int per_sm = with_tpp_types(half, head_size, [](auto t, auto d) {
-      return tpp_partial_ctas_per_sm<typename decltype(t)::type, decltype(d)::value>();
+    if (capture != cudaStreamCaptureStatusNone) return fallback * sm_count(device);
+    const int per_sm = with_tpp_types(half, head_size, [tokens](auto t, auto d) {
+      return tpp_partial_ctas_per_sm<typename decltype(t)::type, decltype(d)::value>(tokens);
     });
-    n = sm_count(device) * (per_sm > 0 ? per_sm : 2);
+    n = sm_count(device) * (per_sm > 0 ? per_sm : fallback);
   }
   return n;
 }
@@ -99,7 +102,7 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
   const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
                                     node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
                                     seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                    out, lse);
+                                    scale, out, lse);
   check_tensor_core_args(s, query, key_cache, value_cache, partial_o, out);
   for (auto [t, name] : {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"},
                          {&block_table, "block_table"}, {&seq_lens, "seq_lens"},

@@ -25,6 +25,14 @@ inline int env_int(const char* name) {
 
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
+// The partial launch's smem stage: the head size's default, or the compact stage where
+// CHUNKATTN_PARTIAL_STAGE_TOKENS=32 asks for it (benchmarks, tests; tpp_params.cuh,
+// partial_min_ctas). Read per call, by the op's occupancy query and its TppParams alike.
+inline int partial_stage_tokens(int64_t head_size) {
+  return env_int("CHUNKATTN_PARTIAL_STAGE_TOKENS") == kCompactStageTokens ? kCompactStageTokens
+                                                                          : default_stage_tokens(int(head_size));
+}
+
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // The kernel's own limits on top of check_tpp_args: fp16/bf16, its head sizes, power-of-two
@@ -204,13 +212,14 @@ inline TppParams make_tpp_params(
   p.device_splits = w.device_splits;
   p.num_slots = int(slots);
   p.resident_ctas = int(std::max<int64_t>(1, resident_ctas));
-  // The final launch streams its tails in the compact stage (tpp_params.cuh, kCompactFinalTokens):
+  // The final launch streams its tails in the compact stage (tpp_params.cuh, kCompactStageTokens):
   // faster than the partial launch's stage at 7 of 8 points timed on an H100 and an H200
   // (benchmarks/results/gpu_h100.md). CHUNKATTN_FINAL_STAGE_TOKENS=64 (benchmarks, tests): the
-  // partial launch's stage (64 tokens at head <= 128; head 256 has only the 32-token one).
-  const int partial_stage = default_stage_tokens(int(s.head_size));
-  p.final_stage_tokens = env_int("CHUNKATTN_FINAL_STAGE_TOKENS") == partial_stage ? partial_stage
-                                                                                  : kCompactFinalTokens;
+  // default stage (64 tokens at head <= 128; head 256 has only the 32-token one).
+  p.partial_stage_tokens = partial_stage_tokens(s.head_size);
+  const int default_stage = default_stage_tokens(int(s.head_size));
+  p.final_stage_tokens = env_int("CHUNKATTN_FINAL_STAGE_TOKENS") == default_stage ? default_stage
+                                                                                  : kCompactStageTokens;
   // CHUNKATTN_SLOT_LIST_CAP (tests): a shorter list, so a row's slots are merged in batches.
   p.slot_list_cap = std::max(0, env_int("CHUNKATTN_SLOT_LIST_CAP"));
   p.kv_offsets_i32 = kv_offsets_fit_i32(key_cache, value_cache) && env_int("CHUNKATTN_KV_OFFSETS_I64") != 1;

@@ -61,8 +61,9 @@ __device__ __forceinline__ void seq_rows(const TppParams& p, int64_t* row_q, int
 }
 
 // One chunk-first item of the partial launch: KV split `split`'s tokens of the node that holds
-// window `win`, for the rows of that window (x = ((split * windows) + win) * head tiles + ht).
-template <typename T, int D>
+// window `win`, for the rows of that window (x = ((split * windows) + win) * head tiles + ht), in
+// smem stages of TOKENS tokens.
+template <typename T, int D, int TOKENS>
 __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>& sm, const ChunkSplits& cs,
                                            int x, int kv_head) {
   const int ht = x % p.chunk_head_tiles;
@@ -97,15 +98,16 @@ __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>&
   const int* ids = p.node_block_ids + b0;
   // Fewer rows -> more warps split the KV instead (an empty split still writes m = -inf).
   if (num_rows <= 16)
-    attend_tile<T, D, 1, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
+    attend_tile<T, D, 1, false, TOKENS>(p, sm, ids, t_begin, t_end, kv_head, -1);
   else if (num_rows <= 32)
-    attend_tile<T, D, 2, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
+    attend_tile<T, D, 2, false, TOKENS>(p, sm, ids, t_begin, t_end, kv_head, -1);
   else
-    attend_tile<T, D, 4, false>(p, sm, ids, t_begin, t_end, kv_head, -1);
+    attend_tile<T, D, 4, false, TOKENS>(p, sm, ids, t_begin, t_end, kv_head, -1);
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParams p) {
+// TOKENS: the partial launch's smem stage (TppParams::partial_stage_tokens, with_partial_stage).
+template <typename T, int D, int TOKENS>
+__global__ void __launch_bounds__(kThreads, partial_min_ctas(D, TOKENS)) tpp_partial_kernel(const TppParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   Smem<T, D> sm(smem_raw, kMaxRows);
   launch_dependents();  // the final launch may take the SMs this grid leaves idle from now on
@@ -117,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
     const int items = cs.splits * cs.windows * p.chunk_head_tiles;
     for (int x = blockIdx.x; x < items; x += p.chunk_ctas) {
       if (x != int(blockIdx.x)) __syncthreads();  // the last item's smem is read to the end
-      chunk_item<T, D>(p, sm, cs, x, kv_head);
+      chunk_item<T, D, TOKENS>(p, sm, cs, x, kv_head);
     }
   } else {
     int x = blockIdx.x - p.chunk_ctas;
@@ -128,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 2) tpp_partial_kernel(const TppParam
     seq_rows(p, sm.row_q, sm.row_out, seq, kv_head, ht, slot);
     __syncthreads();
     const TailRange t = tail_range<D>(p, seq, split, p.seq_splits);
-    attend_tile<T, D, 1, false>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
+    attend_tile<T, D, 1, false, TOKENS>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
   }
 }
 
@@ -145,15 +147,24 @@ __global__ void __launch_bounds__(kThreads, final_min_ctas(D, TOKENS)) tpp_final
   attend_tile<T, D, 1, true, TOKENS>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
 }
 
-// Calls f(std::integral_constant<int, TOKENS>{}) with the final launch's stage size: the one
-// place a call's final_stage_tokens picks a tpp_final_kernel instantiation (the launch and the
-// CPU emulation both go through it).
+// Calls f(std::integral_constant<int, TOKENS>{}) with a launch's stage size: the compact stage
+// where `tokens` asks for it, else the head size's default. The one place a call's stage sizes
+// pick kernel instantiations (the launches, their shapes and the CPU emulation go through the
+// two below).
+template <int D, typename F>
+decltype(auto) with_stage(int tokens, F&& f) {
+  constexpr int kDefault = default_stage_tokens(D);
+  if constexpr (kDefault != kCompactStageTokens)
+    if (tokens == kCompactStageTokens) return f(std::integral_constant<int, kCompactStageTokens>{});
+  return f(std::integral_constant<int, kDefault>{});
+}
+template <int D, typename F>
+decltype(auto) with_partial_stage(const TppParams& p, F&& f) {
+  return with_stage<D>(p.partial_stage_tokens, f);
+}
 template <int D, typename F>
 decltype(auto) with_final_stage(const TppParams& p, F&& f) {
-  constexpr int kDefault = default_stage_tokens(D);
-  if constexpr (kDefault != kCompactFinalTokens)
-    if (p.final_stage_tokens == kCompactFinalTokens) return f(std::integral_constant<int, kCompactFinalTokens>{});
-  return f(std::integral_constant<int, kDefault>{});
+  return with_stage<D>(p.final_stage_tokens, f);
 }
 
 // Grids (x; y is num_kv_heads) and dynamic smem of the two launches, all from host ints, so a
@@ -163,10 +174,12 @@ struct TppLaunchShape {
 };
 template <int D>
 inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
+  const int partial_smem = with_partial_stage<D>(
+      p, [](auto tokens) { return TileShape<D, decltype(tokens)::value>::smem_bytes(kMaxRows); });
   const int final_smem =
       with_final_stage<D>(p, [](auto tokens) { return TileShape<D, decltype(tokens)::value>::smem_bytes(16); });
   return {p.chunk_ctas + p.num_seqs * (p.seq_splits - 1) * p.seq_head_tiles,
-          p.num_seqs * p.seq_head_tiles, tpp_partial_smem_bytes(D), final_smem};
+          p.num_seqs * p.seq_head_tiles, partial_smem, final_smem};
 }
 
 #ifndef CHUNKATTN_SIMT_EMULATION
@@ -179,16 +192,17 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
   // Opting in to > 48 KB of dynamic smem is a host-side attribute of the current context, not a
   // stream op (allowed while a graph is captured): set on every launch, so a new context (after
   // a device reset) or another thread never launches without it.
-  cudaError_t attr = cudaFuncSetAttribute(tpp_partial_kernel<T, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, shape.partial_smem);
+  void (*partial_kernel)(TppParams) =
+      with_partial_stage<D>(p, [](auto tokens) { return &tpp_partial_kernel<T, D, decltype(tokens)::value>; });
+  cudaError_t attr = cudaFuncSetAttribute(partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          shape.partial_smem);
   if (attr != cudaSuccess) return attr;
   void (*final_kernel)(TppParams) =
       with_final_stage<D>(p, [](auto tokens) { return &tpp_final_kernel<T, D, decltype(tokens)::value>; });
   attr = cudaFuncSetAttribute(final_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape.final_smem);
   if (attr != cudaSuccess) return attr;
   if (shape.partial_grid_x > 0) {
-    tpp_partial_kernel<T, D><<<dim3(shape.partial_grid_x, p.num_kv_heads), kThreads, shape.partial_smem,
-                               stream>>>(p);
+    partial_kernel<<<dim3(shape.partial_grid_x, p.num_kv_heads), kThreads, shape.partial_smem, stream>>>(p);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -208,16 +222,18 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
   return cudaSuccess;
 }
 
-// Partial-kernel CTAs one SM runs at once, registers and shared memory both counted (ptxas,
-// sm_90a: 151 registers at head 64 allow 3, not the 4 its shared memory would), 0 if the runtime
-// cannot tell. The split choice (tpp_host.h) sizes its waves by it.
+// Partial-kernel CTAs one SM runs at once in stages of `tokens` (partial_stage_tokens),
+// registers and shared memory both counted (ptxas, sm_90a: 151 registers at head 64 allow 3, not
+// the 4 its shared memory would), 0 if the runtime cannot tell. The split choice (tpp_host.h)
+// sizes its waves by it.
 template <typename T, int D>
-int tpp_partial_ctas_per_sm() {
-  const int smem = tpp_partial_smem_bytes(D);
+int tpp_partial_ctas_per_sm(int tokens) {
+  void (*kernel)(TppParams) =
+      with_stage<D>(tokens, [](auto t) { return &tpp_partial_kernel<T, D, decltype(t)::value>; });
+  const int smem = with_stage<D>(tokens, [](auto t) { return TileShape<D, decltype(t)::value>::smem_bytes(kMaxRows); });
   int n = 0;
-  if (cudaFuncSetAttribute(tpp_partial_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tpp_partial_kernel<T, D>, kThreads, smem) != cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();  // not the launch's error: the launch checks cudaGetLastError
     return 0;
   }
@@ -230,9 +246,9 @@ int tpp_partial_ctas_per_sm() {
   PREFIX template cudaError_t launch_tpp_decode<T, 64>(const TppParams&, cudaStream_t, bool);  \
   PREFIX template cudaError_t launch_tpp_decode<T, 128>(const TppParams&, cudaStream_t, bool); \
   PREFIX template cudaError_t launch_tpp_decode<T, 256>(const TppParams&, cudaStream_t, bool); \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 64>();                                         \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 128>();                                        \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 256>();
+  PREFIX template int tpp_partial_ctas_per_sm<T, 64>(int);                                      \
+  PREFIX template int tpp_partial_ctas_per_sm<T, 128>(int);                                     \
+  PREFIX template int tpp_partial_ctas_per_sm<T, 256>(int);
 #ifndef CHUNKATTN_INSTANTIATE
 CHUNKATTN_TPP_INSTANCES(extern, __half)
 CHUNKATTN_TPP_INSTANCES(extern, __nv_bfloat16)

@@ -26,8 +26,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 constexpr int default_stage_tokens(int head_size) { return head_size <= 128 ? 64 : 32; }
 
-// TOKENS: KV tokens per smem stage; the partial launch and the tails' split boundaries
-// (tail_range) always use the default, the final launch may use kCompactFinalTokens.
+// TOKENS: KV tokens per smem stage; the tails' split boundaries (tail_range) and the chunk
+// splits' always use the default, either launch may stage in kCompactStageTokens.
 template <int D, int TOKENS = default_stage_tokens(D)>
 struct TileShape {
   static constexpr int kTokens = TOKENS;
@@ -46,7 +46,8 @@ struct TileShape {
   }
 };
 
-// Dynamic shared memory of the partial kernel (the larger launch) for a head size. Head 256
+// Dynamic shared memory of the partial kernel (the larger launch) for a head size, in its
+// default stage (the compact one needs less). Head 256
 // needs 102144 bytes, over the 99 KB (101376) a block gets on sm_86/89/120 (A10, L4, RTX 30-50):
 // vllm_chunkattn/ops/cuda_fit.py refuses that pairing when vLLM selects the backend.
 constexpr int tpp_partial_smem_bytes(int head_size) {
@@ -63,9 +64,24 @@ constexpr int tpp_partial_smem_bytes(int head_size) {
 // of the decode with everything shared and all of it with nothing shared (ncu, 2026-11-26); at
 // 4 an SM they are 1.94 waves. Only half the CTA's warps then split a stage (kMaxParts = 2).
 // Head 256 already stages 32 tokens: the same kernel either way.
-constexpr int kCompactFinalTokens = 32;
+constexpr int kCompactStageTokens = 32;
 constexpr int final_min_ctas(int head_size, int tokens) {
   return tokens < default_stage_tokens(head_size) ? 4 : 2;
+}
+
+// The partial launch's compact stage (CHUNKATTN_PARTIAL_STAGE_TOKENS=32; not the default until
+// a GPU has timed it beside the 64-token stage: the kernel grid's "Partial launch's KV stage").
+// Why: at head 128 the 64-token partial kernel holds 86 KB of smem and 226-242 registers, so 2
+// CTAs (8 warps) share an SM; the H200's Nsight Compute put the served shape's chunk-first
+// launch at 12 % occupancy, 40 % of issue slots busy, its warps stalled first on fixed-latency
+// dependencies (ncu_h200.md): too few warps to hide a warp's softmax between its two GEMMs. In
+// 32-token stages it needs 53 KB and fits 168 registers without spilling (ptxas, sm_90a; the
+// 64-token kernel also fits them, but not 3 CTAs' smem), so 3 CTAs (12 warps) share an SM, at
+// the price of twice the stage barriers and rescales a token, half the tokens in flight a CTA,
+// and half the warps of a <= 16-row CTA splitting a stage (kMaxParts = 2). Head 256 already
+// stages 32 tokens.
+constexpr int partial_min_ctas(int head_size, int tokens) {
+  return tokens < default_stage_tokens(head_size) ? 3 : 2;
 }
 
 // The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 128 / 256; the op
@@ -190,8 +206,8 @@ struct TppParams {
   // Slots a final CTA lists in smem at a time, if fewer than its stage's TileShape::kSlotListCap
   // (tests); 0: as many as that holds.
   int slot_list_cap;
-  // KV tokens of the final launch's smem stage: default_stage_tokens, or kCompactFinalTokens.
-  int final_stage_tokens;
+  // KV tokens of each launch's smem stage: default_stage_tokens, or kCompactStageTokens.
+  int partial_stage_tokens, final_stage_tokens;
   // 1: V's strides are K's and every element offset into either cache fits int32 (vLLM's flash
   // layout below 2^31 elements a layer): load_kv_stage computes one 32-bit offset a token for
   // both; 0: 64-bit offsets for each (make_tpp_params; CHUNKATTN_KV_OFFSETS_I64=1 forces it).

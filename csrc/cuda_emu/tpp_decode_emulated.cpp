@@ -38,8 +38,10 @@ void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, 
   const TppLaunchShape shape = tpp_launch_shape<D>(p);
   g_last_launch = shape;
   if (shape.partial_grid_x > 0)
-    simt::launch(shape.partial_grid_x, p.num_kv_heads, kThreads, shape.partial_smem,
-                 [&p] { tpp_partial_kernel<T, D>(p); }, globals, o);
+    with_partial_stage<D>(p, [&](auto tokens) {
+      simt::launch(shape.partial_grid_x, p.num_kv_heads, kThreads, shape.partial_smem,
+                   [&p] { tpp_partial_kernel<T, D, decltype(tokens)::value>(p); }, globals, o);
+    });
   if (shape.final_grid_x > 0) {
     std::vector<std::vector<char>> written;
     for (const simt::GlobalRange& r : workspace)
@@ -72,7 +74,7 @@ void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, c
   const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
                                     node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
                                     seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                    out, lse);
+                                    scale, out, lse);
   check_tensor_core_args(s, query, key_cache, value_cache, partial_o, out);
   const TppParams p = make_tpp_params(s, query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
                                       node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,

@@ -89,6 +89,10 @@ TAIL_SPLITS = (1, 2, 3, 4, 6, 9)
 FINAL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("paper", "n_p=4096 n_s=0"),
                       ("llama8b", "b=128 P=2048 S=128"), ("smoke", "b=4 P=64 S=20"), SERVED}
 FINAL_STAGES = (64, 32)
+# At the same points, the partial launch's stage (CHUNKATTN_PARTIAL_STAGE_TOKENS=32: 3 CTAs an SM
+# at head 128 instead of 2, csrc/cuda/tpp_params.cuh, partial_min_ctas) against the default, the
+# whole op and, on CUDA, its chunk-first launch alone ("chunk-first <k>").
+PARTIAL_STAGES = (64, 32)
 # At the same points, the KV loads' two address paths (csrc/cuda/tpp_attend_tile.cuh,
 # load_kv_stage): 64-bit offsets for K and V each (CHUNKATTN_KV_OFFSETS_I64=1) against one
 # 32-bit offset a token for both, the default for vLLM's flash layout. Name -> the knob's value.
@@ -122,8 +126,8 @@ def variants_of_ours(bt, plan, fns: dict, sweep: bool, tail_sweep: bool = False,
     final launch after the partial one), at a sweep point "splits_<k>" for each of SWEEP_SPLITS
     chunk-first KV splits, in a workspace with room for the most, at a tail sweep point
     "tails_<k>" for each of TAIL_SPLITS private-tail KV splits, and at a final sweep point
-    "final_<k>" for each of FINAL_STAGES final-launch stage sizes and "kv_<k>" for each of
-    KV_OFFSETS' address paths."""
+    "final_<k>" for each of FINAL_STAGES final-launch stage sizes, "partial_<k>" for each of
+    PARTIAL_STAGES partial-launch ones and "kv_<k>" for each of KV_OFFSETS' address paths."""
     variants = {}
     if "ours" in fns and bt.query.device.type == "cuda":
         variants["ours_serial"] = Variant(fns["ours"], {"CHUNKATTN_OVERLAP_FINAL": 0})
@@ -137,6 +141,8 @@ def variants_of_ours(bt, plan, fns: dict, sweep: bool, tail_sweep: bool = False,
     if final_sweep and "ours" in fns:
         variants.update({f"final_{k}": Variant(fns["ours"], {"CHUNKATTN_FINAL_STAGE_TOKENS": k})
                          for k in FINAL_STAGES})
+        variants.update({f"partial_{k}": Variant(fns["ours"], {"CHUNKATTN_PARTIAL_STAGE_TOKENS": k})
+                         for k in PARTIAL_STAGES})
         variants.update({f"kv_{k}": Variant(fns["ours"], {"CHUNKATTN_KV_OFFSETS_I64": v})
                          for k, v in KV_OFFSETS.items()})
     return variants
@@ -276,9 +282,13 @@ def run_point(point, pool: KvPool, seed: int, timer: Timer, ceilings: dict, args
     for column, name, counts in (("split_sweep_us", "splits", SWEEP_SPLITS),
                                  ("tail_sweep_us", "tails", TAIL_SPLITS),
                                  ("final_sweep_us", "final", FINAL_STAGES),
+                                 ("partial_sweep_us", "partial", PARTIAL_STAGES),
                                  ("kv_sweep_us", "kv", tuple(KV_OFFSETS))):
         row[column] = "; ".join(f"{k}: {timed[f'{name}_{k}'] * 1e3:.1f}"
                                 for k in counts if f"{name}_{k}" in timed)
+    if row["partial_sweep_us"] and math.isfinite(cf_us):   # the chunk-first launch in each stage
+        cf = {k: chunk_first_kernel_us(fns[f"partial_{k}"], timer, args.reps)[0] for k in PARTIAL_STAGES}
+        row["partial_sweep_us"] += "".join(f"; chunk-first {k}: {v:.1f}" for k, v in cf.items())
     row["notes"] = "; ".join(notes + ([why] if why and flops else []))
     row["ours_ok"] = ours_ok
     return row

@@ -114,6 +114,13 @@ SWEEPS = (  # row column, section title, what was forced
      "head 128, 128 registers: 4 CTAs an SM, half the warps splitting a stage); "
      "CHUNKATTN_FINAL_STAGE_TOKENS=64 takes the partial launch's 64 at head <= 128 (73 KB: 3 CTAs "
      "an SM). Both timed side by side (eager); the forced counts below are the stage sizes."),
+    ("partial_sweep_us", "Partial launch's KV stage: 64 tokens (default) against 32",
+     "The partial launch (the chunk-first items and the tails' splits 1..) streams its KV in smem "
+     "stages of 64 tokens at head <= 128 (86 KB of smem at head 128, 226-242 registers: 2 CTAs "
+     "an SM); CHUNKATTN_PARTIAL_STAGE_TOKENS=32 stages 32 (53 KB, 168 registers: 3 CTAs an SM, "
+     "twice the stage barriers and rescales a token). Both timed side by side (eager): the whole "
+     "op at each stage size, then, on CUDA, its chunk-first launch alone (the torch profiler's "
+     "kernel time, tails unsplit)."),
     ("kv_sweep_us", "KV loads' addresses: one 32-bit offset (default) against 64-bit ones",
      "Each KV token a stage loads takes one int32 offset for K and V where their strides are "
      "equal and every offset fits (vLLM's flash layout; csrc/cuda/tpp_attend_tile.cuh, "
