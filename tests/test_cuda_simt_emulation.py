@@ -15,7 +15,8 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, LONG_TREE, TREE_SPECS, assert_matches_reference,
+from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, TREE_SPECS, assert_matches_reference,
+                                    named_tree,
                                     caterpillar_batch, pad_batch, poison_unread_kv,
                                     random_tree_batch, split_spare_slots, tpp_work,
                                     value_cache_elsewhere)
@@ -46,7 +47,7 @@ def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, resident_ctas=H100_
 
 
 def batch(spec, seed=0, **kw):
-    return random_tree_batch(seed, **{**(LONG_TREE if spec == "long" else TREE_SPECS[spec]), **kw})
+    return random_tree_batch(seed, **{**named_tree(spec), **kw})
 
 
 def plan_of(b):
@@ -363,6 +364,8 @@ def test_each_launch_in_compact_stages(emu, splits, monkeypatch, launch, case, d
     plan = plan_of(b)
     splits(*forced)
     spare = split_spare_slots(plan, b.query.shape[0], *forced)
+    if spec == "wide_long":                       # 64-row chunk CTAs over several 64-token stages
+        assert int(plan.node_seq_indptr[1]) == 16 and int(plan.node_block_indptr[1]) * 16 > 2 * 64
     other = "FINAL" if launch == "partial" else "PARTIAL"
     monkeypatch.delenv(f"CHUNKATTN_{other}_STAGE_TOKENS", raising=False)
     for tokens in (32, 64):

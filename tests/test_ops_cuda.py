@@ -12,7 +12,7 @@ from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
                                     caterpillar_batch, pad_batch, poison_unread_kv,
                                     random_tree_batch, split_spare_slots,
-                                    value_cache_elsewhere)
+                                    named_tree, value_cache_elsewhere)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -33,7 +33,7 @@ def ops():
 
 
 def make_batch(spec, seed=0, **kw):
-    kw = {**TREE_SPECS[spec], **kw}
+    kw = {**named_tree(spec), **kw}
     return random_tree_batch(seed, device="cuda", **kw)
 
 
@@ -155,8 +155,7 @@ def test_each_launch_in_compact_stages(ops, splits, monkeypatch, launch, case, d
     from torch.profiler import ProfilerActivity, profile
     spec, head_size, forced = case
     kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16, dtype=dtype)
-    b = (random_tree_batch(9, **LONG_TREE, **kw, device="cuda") if spec == "long"
-         else make_batch(spec, seed=9, **kw))
+    b = make_batch(spec, seed=9, **kw)
     plan = plan_of(b)
     splits(*forced)
     spare = split_spare_slots(plan, b.query.shape[0], *forced)

@@ -132,16 +132,26 @@ TREE_SPECS: dict[str, dict] = {
 # Nodes and tails of up to 24 and 20 blocks of 16: 2-6 shared-memory stages per CUDA CTA, so the
 # kernel's cp.async double buffer turns over (every TREE_SPECS tree fits in one or two stages).
 LONG_TREE = dict(fanouts=[2, 3], max_node_blocks=24, max_private_blocks=20)
+# A long node shared by 16 rows: with 4 q heads a kv head, chunk CTAs of 64 rows (4 row blocks)
+# that turn the cp.async double buffer over.
+WIDE_LONG_TREE = dict(fanouts=[1, 16], max_node_blocks=24, max_private_blocks=2)
+
+
+def named_tree(name: str) -> dict:
+    """random_tree_batch's keywords for a TREE_SPECS name, "long" or "wide_long"."""
+    return {"long": LONG_TREE, "wide_long": WIDE_LONG_TREE}.get(name) or TREE_SPECS[name]
+
 # The CUDA launches' compact smem stages (CHUNKATTN_{FINAL,PARTIAL}_STAGE_TOKENS), as (launch,
 # (spec, head size, forced chunk / tail splits)): the final launch's tails (nothing shared among
-# them too), the partial launch's chunk CTAs of 4 to 64 rows (GQA 4: 1, 2 and 4 row blocks) and
-# tail splits. The SIMT emulation and the GPU tests run the same.
+# them too), the partial launch's chunk CTAs of 4 to 64 rows (GQA 4: 1, 2 and 4 row blocks; 64
+# rows over many stages in wide_long) and tail splits. The SIMT emulation and the GPU tests run
+# the same.
 COMPACT_STAGE_CASES = [("final", c) for c in [("long", 64, (1, 1)), ("long", 128, (1, 3)),
                                               ("deep_tree", 128, (4, 4)), ("no_sharing", 128, (1, 2)),
                                               ("system_prompts", 64, (3, 2))]] + \
                       [("partial", c) for c in [("long", 64, (3, 3)), ("long", 128, (2, 3)),
                                                 ("deep_tree", 128, (4, 4)), ("system_prompts", 128, (1, 1)),
-                                                ("batch_17", 64, (2, 2))]]
+                                                ("batch_17", 64, (2, 2)), ("wide_long", 128, (1, 1))]]
 
 
 # Tolerances of the tensor-core kernels (fp16/bf16 inputs, fp32 accumulation) against the fp32
