@@ -103,9 +103,11 @@ def test_serve_ab_script_on_cpu(tmp_path):
     # What a call cut at its time limit would leave: a process serving this model.
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "serve",
                                  str(served_model(tmp_path))])
-    # The script's default; this call took 108 s alone, 174 s beside CI's other test worker
-    # (2-core Xeon), ~220 s alone on a 2-core AVX2 EPYC (bf16 without AVX-512 BF16).
-    budget_s = 540
+    # This call took 108 s alone, 174 s beside CI's other test worker (2-core Xeon), ~220 s
+    # alone on a 2-core AVX2 EPYC (bf16 without AVX-512 BF16), and 454 s beside CI's other
+    # worker on one (server up in 165 s, warm-up 156 s, prefix1x2k 124 s), where the script's
+    # 540 s default left `random` out. The test asserts what ran, not how fast: a budget with room.
+    budget_s = 720
     # The script's --gpu-memory-utilization 0.90 is a share of the node's memory on CPU, and
     # vLLM refuses to start when that much is not free (it was not on a 2-core Xeon's 11 GiB
     # node); a fixed KV pool skips that check.
@@ -185,7 +187,7 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
     No prompt of a round is served from a prefix cached before it (the warm-up's, or the other
     round's): each run's prefill computes all its prompt tokens. About 3 minutes."""
     pytest.importorskip("vllm")
-    budget_s = 540
+    budget_s = 720              # 298 s beside CI's other worker on a 2-core AVX2 EPYC: room
     out = tmp_path / "out"
     # the GPU rounds' front end from round 3 on, smaller: a stream message every 2nd token
     env = _cpu_call(tmp_path, budget_s, ROUND="5", PAIR_KV_BYTES=str(256 << 20),

@@ -223,21 +223,23 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
 }
 
 // Partial-kernel CTAs one SM runs at once in stages of `tokens` (partial_stage_tokens),
-// registers and shared memory both counted (ptxas, sm_90a: 151 registers at head 64 allow 3, not
-// the 4 its shared memory would), 0 if the runtime cannot tell. The split choice (tpp_host.h)
-// sizes its waves by it.
+// registers and shared memory both counted (ptxas, sm_90a, head 128: 242 registers and 87,808
+// bytes of smem allow 2 in the default stage, the compact stage's 168 and 53,760 allow 3), 0 if
+// the runtime cannot tell. The split choice (tpp_host.h) sizes its waves by it.
 template <typename T, int D>
 int tpp_partial_ctas_per_sm(int tokens) {
-  void (*kernel)(TppParams) =
-      with_stage<D>(tokens, [](auto t) { return &tpp_partial_kernel<T, D, decltype(t)::value>; });
-  const int smem = with_stage<D>(tokens, [](auto t) { return TileShape<D, decltype(t)::value>::smem_bytes(kMaxRows); });
-  int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
-    (void)cudaGetLastError();  // not the launch's error: the launch checks cudaGetLastError
-    return 0;
-  }
-  return n;
+  return with_stage<D>(tokens, [](auto t) {
+    constexpr int kTokens = decltype(t)::value;
+    void (*kernel)(TppParams) = &tpp_partial_kernel<T, D, kTokens>;
+    const int smem = TileShape<D, kTokens>::smem_bytes(kMaxRows);
+    int n = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();  // not the launch's error: the launch checks cudaGetLastError
+      return 0;
+    }
+    return n;
+  });
 }
 
 // One dtype's instantiations: PREFIX empty in tpp_kernels_{fp16,bf16}.cu (one file per dtype so
