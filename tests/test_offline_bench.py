@@ -1,6 +1,7 @@
 """`python -m vllm_chunkattn.bench offline` on the tiny model: both engines generate, the report
 is written, and in fp32 CUSTOM's greedy tokens equal stock's."""
 import csv
+import re
 import subprocess
 import sys
 
@@ -38,3 +39,9 @@ def test_offline_bench_tiny(tmp_path):
     md = (out / "offline_test.md").read_text()
     assert md.count("Command: `python -m vllm_chunkattn.bench offline") == 1
     assert "Share of the shared-prefix attention cost removed at S = 128" in md
+    # Both engines started before either was ready (at once: one start's wait, on a GPU the
+    # longer for torch.compile and graph capture).
+    starts = {s: (float(t0), float(ready)) for s, t0, ready in re.findall(
+        r"(stock|custom) started at ([\d.]+), ready at ([\d.]+)", md)}
+    assert starts.keys() == {"stock", "custom"}, md
+    assert max(t0 for t0, _ in starts.values()) < min(ready for _, ready in starts.values()), md

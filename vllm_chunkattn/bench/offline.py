@@ -1,8 +1,8 @@
 """`python -m vllm_chunkattn.bench offline`: decode throughput of stock vLLM vs
 `attention_backend="CUSTOM"` through `LLM.generate`, no API server.
 
-Two engines live for the whole run, each in its own process driven over a pipe; only one works at
-a time. Per workload (`--batch` requests sharing one `--shared`-token prefix, each with its own
+Two engines live for the whole run, each in its own process driven over a pipe, started at once
+(each with a fixed KV pool, `--kv-cache-gb`); only one works at a time. Per workload (`--batch` requests sharing one `--shared`-token prefix, each with its own
 private tokens), both engines first prefill and cache every prompt (max_tokens=1); each prompt is
 a multiple of the block size plus one token long, so a timed generate recomputes only its last
 token: one 1-token-per-request prefill step, then max_tokens - 1 decode steps. Timed calls run in
@@ -66,14 +66,13 @@ def make_workloads(a, vocab: list[int]) -> list[Workload]:
 
 # ---- engine processes
 
-def _engine_main(conn, engine_kwargs: dict, kv_cache_gb: int, log_path: str) -> None:
+def _engine_main(conn, engine_kwargs: dict, log_path: str) -> None:
     """Child: one LLM; answers ("generate", prompts, max_tokens, logprobs) with (seconds, token
     ids, cached prompt tokens, per-position logprobs or None) until ("stop",). Its (and its
     EngineCore's) output goes to log_path."""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from vllm import LLM, SamplingParams
@@ -106,17 +105,19 @@ def _engine_main(conn, engine_kwargs: dict, kv_cache_gb: int, log_path: str) -> 
 
 
 class Engine:
-    def __init__(self, system: str, engine_kwargs: dict, kv_cache_gb: int, log_path: Path):
+    def __init__(self, system: str, engine_kwargs: dict, log_path: Path):
         self.system, self.log_path = system, log_path
+        self.started, self.ready = time.monotonic(), math.nan
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_main, name=f"offline-{system}",
-                                args=(child, engine_kwargs, kv_cache_gb, str(log_path)))
+                                args=(child, engine_kwargs, str(log_path)))
         self.proc.start()
         child.close()
 
     def wait_ready(self) -> None:
         self._recv("ready")
+        self.ready = time.monotonic()
 
     def generate(self, prompts, max_tokens: int, logprobs: int | None = None):
         """(seconds, token ids per prompt, cached prompt tokens, logprobs per prompt or None)"""
@@ -223,7 +224,10 @@ def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Pat
              f"block size {setup['block_size']}, enforce_eager {setup['enforce_eager']}, "
              f"{setup['kv_space']} per engine",
              f"- commit {setup['commit']}, {setup['native']}, {setup['date']}, "
-             f"wall {setup['wall_min']:.1f} min; engine logs in `{setup['log_dir']}`", "",
+             f"wall {setup['wall_min']:.1f} min; engine logs in `{setup['log_dir']}`",
+             "- engines (seconds from the run's start): " + "; ".join(
+                 f"{s} started at {t0:.1f}, ready at {ready:.1f}"
+                 for s, (t0, ready) in setup["engine_starts"].items()), "",
              f"Each timed call is one `LLM.generate` of the whole batch (greedy, ignore_eos) after "
              f"both engines prefilled and cached every prompt: one 1-token-per-request prefill "
              f"step + {setup['max_tokens'] - 1} decode steps. Order A B B A x {setup['repeats']}. "
@@ -295,11 +299,12 @@ def parse_args(argv):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="A B B A rounds per workload")
     p.add_argument("--kv-cache-gb", type=int, default=1,
-                   help="VLLM_CPU_KVCACHE_SPACE per engine (1 GiB: 32K tokens of Llama-3.2-1B; "
-                        "each of its engines then holds ~5.5 GB)")
+                   help="KV pool per engine, on any device (vLLM's kv_cache_memory_bytes; 1 GiB: "
+                        "32K tokens of Llama-3.2-1B, each of its engines then holds ~5.5 GB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                   help="per engine on a GPU, where both engines share the device (vLLM's "
-                        "default 0.9 would leave the second too little to start); unused on CPU")
+                   help="per engine on a GPU, where both engines share the device: with the KV "
+                        "pool fixed, only vLLM's start-up check that this share is free (its "
+                        "default 0.9 would fail the second engine's); unused on CPU")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
@@ -322,7 +327,8 @@ def main(argv=None) -> int:
     dummy = not has_weights(a.model)
     kwargs = dict(model=a.model, dtype=a.dtype, block_size=a.block_size, seed=a.seed,
                   max_model_len=-(-max_len // a.block_size) * a.block_size,
-                  max_num_seqs=max(a.batch, 1), enforce_eager=a.enforce_eager)
+                  max_num_seqs=max(a.batch, 1), enforce_eager=a.enforce_eager,
+                  kv_cache_memory_bytes=a.kv_cache_gb << 30)
     if dummy:
         kwargs["load_format"] = "dummy"
     import torch
@@ -335,9 +341,9 @@ def main(argv=None) -> int:
              "machine": provenance.machine(), "load_before": provenance.load_average(),
              "model": {"path": a.model, **describe(a.model)}, "dummy": dummy, "dtype": a.dtype,
              "block_size": a.block_size, "enforce_eager": a.enforce_eager,
-             "kv_space": (f"gpu_memory_utilization {a.gpu_memory_utilization}"
-                          if "gpu_memory_utilization" in kwargs else
-                          f"KV space {a.kv_cache_gb} GiB"), "commit": provenance.git_commit(),
+             "kv_space": f"a KV pool of {a.kv_cache_gb} GiB" + (
+                 f" (gpu_memory_utilization {a.gpu_memory_utilization})"
+                 if "gpu_memory_utilization" in kwargs else ""), "commit": provenance.git_commit(),
              "native": provenance.native_build(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "max_tokens": a.max_tokens, "repeats": a.repeats, "log_dir": str(log_dir)}
     print(f"offline: {len(workloads)} workloads on {a.model} ({a.dtype}); engine logs in "
@@ -347,13 +353,19 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     rc = 0
     try:
-        # One after the other: on a GPU, vLLM's start-up memory profile fails when another
-        # process's memory changes meanwhile.
+        # At once: with its KV pool fixed, vLLM skips the start-up memory profile that fails on
+        # a GPU when another process's memory changes meanwhile (serve_ab.sh's pairs start so);
+        # one start's wall time saved (torch.compile and graph capture on a GPU).
         for s in SYSTEMS:
             engines[s] = Engine(s, {**kwargs, "attention_backend": "CUSTOM"} if s == "custom"
-                                else kwargs, a.kv_cache_gb, log_dir / f"{s}.log")
-            engines[s].wait_ready()
-        print(f"offline: engines ready after {time.monotonic() - t_start:.0f} s", flush=True)
+                                else kwargs, log_dir / f"{s}.log")
+        for e in engines.values():
+            e.wait_ready()
+        setup["engine_starts"] = {s: (round(e.started - t_start, 1), round(e.ready - t_start, 1))
+                                  for s, e in engines.items()}
+        print("offline: engines ready after " + ", ".join(
+            f"{s} {ready:.0f} s" for s, (_, ready) in setup["engine_starts"].items())
+            + " (started at once)", flush=True)
         for w in workloads:
             t0 = time.monotonic()
             mine = run_workload(engines, w, a)
