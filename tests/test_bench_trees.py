@@ -16,7 +16,7 @@ import torch
 from vllm_chunkattn.bench import kernel_gpu
 from vllm_chunkattn.bench.cascade_levels import cascade_levels, emulate_cascade
 from vllm_chunkattn.bench.kernel import main as kernel_main
-from vllm_chunkattn.bench.kernel_gpu_report import goal_lines, overlap_lines
+from vllm_chunkattn.bench.kernel_gpu_report import goal_lines, overlap_lines, split_sweep_lines
 from vllm_chunkattn.bench.kernel_trees import (GRIDS, LLAMA3_8B, PAPER, SMOKE, AttnShape, TreePoint,
                                                few_shot, paper_grid, rollouts, single_prefix,
                                                smoke_grid, tree_block_table)
@@ -267,6 +267,29 @@ def test_overlap_lines_set_the_serial_final_launch_beside_the_overlapped_one():
     assert "CHUNKATTN_OVERLAP_FINAL=0 in its environment" in " ".join(overlap_lines(rows, "0"))
 
 
+def test_two_way_sweeps_close_with_the_other_settings_speed_up():
+    rows = [dict(grid="llama8b", point="a", ours_us=40.0,
+                 partial_sweep_us="64: 40.0; 32: 32.0; chunk-first 64: 20.0; chunk-first 32: 25.0"),
+            dict(grid="llama8b", point="b", ours_us=50.0,
+                 partial_sweep_us="64: 50.0; 32: 55.0; chunk-first 64: 30.0; chunk-first 32: 24.0"),
+            dict(grid="paper", point="c", ours_us=60.0,
+                 partial_sweep_us="64: 60.0; 32: 50.0; chunk-first 64: 10.0; chunk-first 32: 10.0"),
+            dict(grid="smoke", point="d", ours_us=9.0, final_sweep_us="64: 9.0; 32: 12.0",
+                 split_sweep_us="1: 9.0; 2: 8.0")]
+    text = "\n".join(split_sweep_lines(rows))
+    # the 64-token stage's µs over the 32-token one's: 1.25, 0.909, 1.2
+    assert ("- the whole op, µs at 64 / µs at 32: median **1.200x** at 3 points (0.909-1.250x; "
+            "above 1: 32 is faster)") in text
+    # its chunk-first launch alone: 0.8, 1.25, 1.0
+    assert ("- its chunk-first launch alone, µs at chunk-first 64 / µs at chunk-first 32: median "
+            "**1.000x** at 3 points (0.800-1.250x") in text
+    # the final launch's default is 32: 12 / 9
+    assert "- the whole op, µs at 32 / µs at 64: median **1.333x** at 1 points" in text
+    assert "- smoke d: the op's choice 9 µs; forced splits: µs 1: 9.0; 2: 8.0" in text
+    assert "- smoke d: the op's choice 9 µs; stage tokens: µs 64: 9.0; 32: 12.0" in text
+    assert text.count("median **") == 3       # the split sweep has no default to set beside
+
+
 # ---- the runner
 
 def test_smoke_grid_runs_on_cpu(tmp_path):
@@ -311,6 +334,8 @@ def test_smoke_grid_runs_on_cpu(tmp_path):
     assert "## Private-tail KV splits" in md and "- smoke b=4 nothing shared: the op's choice " in md
     assert "## Final launch's KV stage: 32 tokens (default) against 64" in md
     assert "## Partial launch's KV stage: 64 tokens (default) against 32" in md
+    assert "- the whole op, µs at 64 / µs at 32: median " in md
+    assert "- its chunk-first launch alone: not timed" in md          # CUDA only
     assert "## KV loads' addresses: one 32-bit offset (default) against 64-bit ones" in md
 
 

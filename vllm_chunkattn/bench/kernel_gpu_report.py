@@ -129,14 +129,50 @@ SWEEPS = (  # row column, section title, what was forced
 )
 
 
+# What each sweep forces, and for a two-way one its (default, other) keys: the section then
+# closes with the default's µs over the other's at each point, their median: the other's
+# speed-up, what decides whether it becomes the default.
+FORCED = {"split_sweep_us": ("forced splits", None), "tail_sweep_us": ("forced splits", None),
+          "final_sweep_us": ("stage tokens", ("32", "64")),
+          "partial_sweep_us": ("stage tokens", ("64", "32")),
+          "kv_sweep_us": ("address path", ("i32", "i64"))}
+
+
+def sweep_times(cell: str) -> dict[str, float]:
+    """A sweep cell, "64: 41.2; 32: 38.0; chunk-first 64: 20.1", as {"64": 41.2, ...}."""
+    return {k: float(v) for k, v in (part.rsplit(": ", 1) for part in cell.split("; "))}
+
+
+def speedup_line(swept: list[dict], column: str, default: str, other: str, what: str) -> str:
+    ratios = []
+    for r in swept:
+        t = sweep_times(r[column])
+        if t.get(default, 0) > 0 and t.get(other, 0) > 0:
+            ratios.append(t[default] / t[other])
+    if not ratios:
+        return f"- {what}: not timed"
+    return (f"- {what}, µs at {default} / µs at {other}: median "
+            f"**{statistics.median(ratios):.3f}x** at {len(ratios)} points "
+            f"({min(ratios):.3f}-{max(ratios):.3f}x; above 1: {other} is faster)")
+
+
 def split_sweep_lines(rows: list[dict]) -> list[str]:
     lines = []
     for column, title, text in SWEEPS:
         swept = [r for r in rows if r.get(column)]
-        if swept:
-            lines += [f"## {title}", "", text, "",
-                      *[f"- {r['grid']} {r['point']}: the op's choice {_fmt(r['ours_us'])} µs; "
-                        f"forced splits: µs {r[column]}" for r in swept], ""]
+        if not swept:
+            continue
+        forced, two_way = FORCED[column]
+        lines += [f"## {title}", "", text, "",
+                  *[f"- {r['grid']} {r['point']}: the op's choice {_fmt(r['ours_us'])} µs; "
+                    f"{forced}: µs {r[column]}" for r in swept], ""]
+        if two_way:
+            default, other = two_way
+            lines.append(speedup_line(swept, column, default, other, "the whole op"))
+            if column == "partial_sweep_us":
+                lines.append(speedup_line(swept, column, f"chunk-first {default}",
+                                          f"chunk-first {other}", "its chunk-first launch alone"))
+            lines.append("")
     return lines
 
 
