@@ -2,7 +2,8 @@
 `attention_backend="CUSTOM"` through `LLM.generate`, no API server.
 
 Two engines live for the whole run, each in its own process driven over a pipe, started at once
-(each with a fixed KV pool, `--kv-cache-gb`); only one works at a time. Per workload (`--batch` requests sharing one `--shared`-token prefix, each with its own
+(each with a fixed KV pool, `--kv-cache-gb`); only one works at a time. Per workload (`--batch`
+requests sharing one `--shared`-token prefix, each with its own
 private tokens), both engines first prefill and cache every prompt (max_tokens=1); each prompt is
 a multiple of the block size plus one token long, so a timed generate recomputes only its last
 token: one 1-token-per-request prefill step, then max_tokens - 1 decode steps. Timed calls run in
