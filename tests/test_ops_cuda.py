@@ -9,10 +9,9 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, LONG_TREE, TC_TOL, TREE_SPECS, assert_matches_reference,
-                                    caterpillar_batch, pad_batch, poison_unread_kv,
-                                    random_tree_batch, split_spare_slots,
-                                    named_tree, value_cache_elsewhere)
+from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, TC_TOL, TREE_SPECS, assert_matches_reference,
+                                    caterpillar_batch, named_tree, pad_batch, poison_unread_kv,
+                                    random_tree_batch, split_spare_slots, value_cache_elsewhere)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -112,8 +111,8 @@ def test_wide_groups(ops, heads):
 def test_long_runs_turn_the_pipeline_over(ops, dtype, head_size):
     # 2-6 smem stages per CTA: the cp.async double buffer is refilled while other warps may
     # still read it (the SIMT emulation caught a missing barrier there only with such trees).
-    b = random_tree_batch(1, **LONG_TREE, num_heads=16, num_kv_heads=4, head_size=head_size,
-                          block_size=16, dtype=dtype, device="cuda")
+    b = make_batch("long", seed=1, num_heads=16, num_kv_heads=4, head_size=head_size,
+                   block_size=16, dtype=dtype)
     assert int(b.seq_lens.max()) > 4 * 64
     plan = plan_of(b)
     check(b, plan, *run(ops, b, plan))
@@ -248,8 +247,8 @@ def test_long_nodes_default_heuristic(ops):
 def test_kv_no_row_holds_is_never_let_in(ops, head_size):
     """Every cache row no sequence reads holds NaN (poison_unread_kv): a stage's tokens past its
     run must land as zeros (cp.async's zero fill)."""
-    b = random_tree_batch(3, **LONG_TREE, num_heads=8, num_kv_heads=2, head_size=head_size,
-                          block_size=16, dtype=torch.float16, device="cuda")
+    b = make_batch("long", seed=3, num_heads=8, num_kv_heads=2, head_size=head_size,
+                   block_size=16, dtype=torch.float16)
     assert poison_unread_kv(b) > 16 and b.key_cache[0].isnan().all()
     plan = plan_of(b)
     check(b, plan, *run(ops, b, plan))

@@ -141,6 +141,7 @@ def named_tree(name: str) -> dict:
     """random_tree_batch's keywords for a TREE_SPECS name, "long" or "wide_long"."""
     return {"long": LONG_TREE, "wide_long": WIDE_LONG_TREE}.get(name) or TREE_SPECS[name]
 
+
 # The CUDA launches' compact smem stages (CHUNKATTN_{FINAL,PARTIAL}_STAGE_TOKENS), as (launch,
 # (spec, head size, forced chunk / tail splits)): the final launch's tails (nothing shared among
 # them too), the partial launch's chunk CTAs of 4 to 64 rows (GQA 4: 1, 2 and 4 row blocks; 64

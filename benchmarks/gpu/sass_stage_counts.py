@@ -83,9 +83,14 @@ def stage_body(sass: str, hmma: int) -> list[tuple[str, str, str]]:
     return min(loops, key=len)
 
 
+def opcode_counts(body: list[tuple[str, str, str]]) -> collections.Counter:
+    """A stage body's instructions by opcode (HMMA.16816.F32.BF16 counts as HMMA)."""
+    return collections.Counter(o.split(".")[0] for _, o, _ in body)
+
+
 def stage_loop(sass: str, hmma: int) -> collections.Counter:
     """The opcode counts of the innermost loop (a backward BRA's span) holding `hmma` HMMAs."""
-    return collections.Counter(o.split(".")[0] for _, o, _ in stage_body(sass, hmma))
+    return opcode_counts(stage_body(sass, hmma))
 
 
 # Opcodes that write no register; SHFL writes a predicate, then its register.
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
                 sass = subprocess.run([dump, "-sass", "-fun", name, str(cubin)], capture_output=True,
                                       text=True, check=True).stdout
                 body = stage_body(sass, hmma)
-                counts = collections.Counter(o.split(".")[0] for _, o, _ in body)
+                counts = opcode_counts(body)
                 rows.append([kernel, label, str(sum(counts.values())), str(dependency_depth(body)),
                              *(str(counts[o]) for o in SHOWN), str(resources(dump, cubin, name)[0])])
         # The kernel as built holds both KV paths: its registers and stack are the ones that run.

@@ -47,9 +47,9 @@ struct TileShape {
 };
 
 // Dynamic shared memory of the partial kernel (the larger launch) for a head size, in its
-// default stage (the compact one needs less). Head 256
-// needs 102144 bytes, over the 99 KB (101376) a block gets on sm_86/89/120 (A10, L4, RTX 30-50):
-// vllm_chunkattn/ops/cuda_fit.py refuses that pairing when vLLM selects the backend.
+// default stage (the compact one needs less). Head 256 needs 102144 bytes, over the 99 KB
+// (101376) a block gets on sm_86/89/120 (A10, L4, RTX 30-50): vllm_chunkattn/ops/cuda_fit.py
+// refuses that pairing when vLLM selects the backend.
 constexpr int tpp_partial_smem_bytes(int head_size) {
   return head_size == 64    ? TileShape<64>::smem_bytes(kMaxRows)
          : head_size == 128 ? TileShape<128>::smem_bytes(kMaxRows)

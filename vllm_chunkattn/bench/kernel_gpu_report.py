@@ -97,45 +97,45 @@ def goal_lines(rows: list[dict]) -> list[str]:
     ]
 
 
-SWEEPS = (  # row column, section title, what was forced
+# Each sweep: its row column, section title, what it says, what the rows forced, and for a
+# two-way sweep its (default, other) keys: the section then closes with the default's µs over
+# the other's at each point, their median: the other's speed-up, what decides whether it
+# becomes the default.
+SWEEPS = (
     ("split_sweep_us", "Chunk-first KV splits: the op's choice against forced counts",
      "The host code (csrc/cuda/tpp_host.h, make_tpp_work) picks the fewest splits that "
      "fill the partial launch's waves of resident CTAs within 85 % of the best count. "
      "Here our op (eager) is also timed with CHUNKATTN_CHUNK_SPLITS forced, in a "
      "workspace with room for 16 splits; a forced count well under the choice's µs "
-     "means the rule misjudges this device."),
+     "means the rule misjudges this device.",
+     "forced splits", None),
     ("tail_sweep_us", "Private-tail KV splits: the op's choice against forced counts",
      "With nothing shared the private tails are the whole decode: split 0 of each runs in the "
      "final launch, splits 1.. in the partial one. The host code picks the tails' splits by "
      "the same wave rule; here our op (eager) is also timed with CHUNKATTN_SEQ_SPLITS forced "
-     "(up to 9: the workspace's spare rows)."),
+     "(up to 9: the workspace's spare rows).",
+     "forced splits", None),
     ("final_sweep_us", "Final launch's KV stage: 32 tokens (default) against 64",
      "The final launch streams its private tails in smem stages of 32 tokens (40 KB of smem at "
      "head 128, 128 registers: 4 CTAs an SM, half the warps splitting a stage); "
      "CHUNKATTN_FINAL_STAGE_TOKENS=64 takes the partial launch's 64 at head <= 128 (73 KB: 3 CTAs "
-     "an SM). Both timed side by side (eager); the forced counts below are the stage sizes."),
+     "an SM). Both timed side by side (eager); the forced counts below are the stage sizes.",
+     "stage tokens", ("32", "64")),
     ("partial_sweep_us", "Partial launch's KV stage: 64 tokens (default) against 32",
      "The partial launch (the chunk-first items and the tails' splits 1..) streams its KV in smem "
      "stages of 64 tokens at head <= 128 (86 KB of smem at head 128, 226-242 registers: 2 CTAs "
      "an SM); CHUNKATTN_PARTIAL_STAGE_TOKENS=32 stages 32 (53 KB, 168 registers: 3 CTAs an SM, "
      "twice the stage barriers and rescales a token). Both timed side by side (eager): the whole "
      "op at each stage size, then, on CUDA, its chunk-first launch alone (the torch profiler's "
-     "kernel time, tails unsplit)."),
+     "kernel time, tails unsplit).",
+     "stage tokens", ("64", "32")),
     ("kv_sweep_us", "KV loads' addresses: one 32-bit offset (default) against 64-bit ones",
      "Each KV token a stage loads takes one int32 offset for K and V where their strides are "
      "equal and every offset fits (vLLM's flash layout; csrc/cuda/tpp_attend_tile.cuh, "
      "load_kv_stage), or two 64-bit ones (CHUNKATTN_KV_OFFSETS_I64=1, the path before "
-     "2026-11-27). Both timed side by side (eager); i64 / i32 below are the two paths."),
+     "2026-11-27). Both timed side by side (eager); i64 / i32 below are the two paths.",
+     "address path", ("i32", "i64")),
 )
-
-
-# What each sweep forces, and for a two-way one its (default, other) keys: the section then
-# closes with the default's µs over the other's at each point, their median: the other's
-# speed-up, what decides whether it becomes the default.
-FORCED = {"split_sweep_us": ("forced splits", None), "tail_sweep_us": ("forced splits", None),
-          "final_sweep_us": ("stage tokens", ("32", "64")),
-          "partial_sweep_us": ("stage tokens", ("64", "32")),
-          "kv_sweep_us": ("address path", ("i32", "i64"))}
 
 
 def sweep_times(cell: str) -> dict[str, float]:
@@ -158,11 +158,10 @@ def speedup_line(swept: list[dict], column: str, default: str, other: str, what:
 
 def split_sweep_lines(rows: list[dict]) -> list[str]:
     lines = []
-    for column, title, text in SWEEPS:
+    for column, title, text, forced, two_way in SWEEPS:
         swept = [r for r in rows if r.get(column)]
         if not swept:
             continue
-        forced, two_way = FORCED[column]
         lines += [f"## {title}", "", text, "",
                   *[f"- {r['grid']} {r['point']}: the op's choice {_fmt(r['ours_us'])} µs; "
                     f"{forced}: µs {r[column]}" for r in swept], ""]
