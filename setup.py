@@ -24,14 +24,16 @@ LINK = ["-fopenmp", "-l:libstdc++.so.6"]
 def extension():
     # csrc/*.cpp: the schemas and the host plan check; csrc/cpu: the CPU kernel.
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # No -std flag: torch's BuildExtension adds the C++ standard its headers need (C++20 since
+    # 2.13; torch 2.14's, which vLLM 0.33 pins, do not compile as C++17: std::strong_ordering).
+    cxx = ["-O3", "-fopenmp"]
     want_cuda = os.environ.get("CHUNKATTN_BUILD_CUDA",
                                "1" if cpp_extension.CUDA_HOME and _torch_has_cuda() else "0")
     if want_cuda == "1":
         return cpp_extension.CUDAExtension(
             "vllm_chunkattn._C", sources + sorted(glob.glob("csrc/cuda/*.cu")),
             extra_compile_args={"cxx": cxx,
-                                "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                                "nvcc": ["-O3", "--expt-relaxed-constexpr",
                                          *CUDA_GENCODE]},
             extra_link_args=LINK)
     return cpp_extension.CppExtension("vllm_chunkattn._C", sources,

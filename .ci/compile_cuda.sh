@@ -23,10 +23,10 @@ if [ ! -f "$torch_inc/c10/cuda/impl/cuda_cmake_macros.h" ]; then
   inc="$inc -I$tmp/stub"
 fi
 pyinc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-# The -D__CUDA_NO_* defines are the ones torch.utils.cpp_extension passes to nvcc.
-flags=(-std=c++17 -O3 --expt-relaxed-constexpr -DTORCH_EXTENSION_NAME=_C -Icsrc -I"$pyinc"
+# The -D__CUDA_NO_* defines and C++20 are what torch.utils.cpp_extension passes to nvcc (2.13+).
+flags=(-std=c++20 -O3 --expt-relaxed-constexpr -DTORCH_EXTENSION_NAME=_C -Icsrc -I"$pyinc"
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
-       -Xptxas -warn-spills -diag-suppress 3306 -Xcompiler -Wno-c++20-extensions)
+       -Xptxas -warn-spills -diag-suppress 3306)
 sm90=(-gencode arch=compute_90a,code=sm_90a)
 # CUBIN=out.cubin CUBIN_SRC=csrc/cuda/x.cu: that one file for sm_90a only, to a cubin (its SASS
 # read by tests/test_cuda_codegen.py), with the same flags.

@@ -140,6 +140,10 @@ def test_setup_builds_sm80_and_sm90a(monkeypatch):
     pairs = {nvcc[i + 1] for i, f in enumerate(nvcc) if f == "-gencode"}
     assert {"arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a"} <= pairs
     assert "csrc/tpp_checks.cpp" in ext.sources and "csrc/cuda/tpp_decode.cu" in ext.sources
+    # The C++ standard is torch's to pick: torch 2.14's headers (vLLM 0.33) need C++20, and an
+    # explicit -std=c++17 failed that build (std::strong_ordering in c10/util/intrusive_ptr.h).
+    flags = ext.extra_compile_args["cxx"] + nvcc
+    assert not [f for f in flags if f.startswith(("-std", "--std"))], flags
 
 
 def test_backend_advertises_the_cuda_kernels_block_sizes(monkeypatch):

@@ -1,5 +1,7 @@
 """ChunkAttnScheduler refuses, where it first sees the KV cache spec, what the chunk prefix tree
 cannot manage; a plain full-attention model gets the tree as its KV cache manager."""
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -60,3 +62,17 @@ def test_other_single_group_kinds_are_refused(vllm_config):
         "layer.1": FullAttentionSpec(**{**SPEC, "dtype": torch.bfloat16})})
     with pytest.raises(ValueError, match="must be zeroed"):
         scheduler(vllm_config, mixed)
+
+
+def test_auxiliary_outputs_are_refused(vllm_config, monkeypatch):
+    """vLLM 0.33's --enable-return-routed-experts: its scheduler connector finds cached prefixes
+    in vLLM's BlockPool, which the tree replaces. vLLM 0.32 has no such option: stood in."""
+    try:
+        from vllm.config import AuxOutputConfig
+        aux = AuxOutputConfig(enable_return_routed_experts=True)
+    except ImportError:
+        aux = SimpleNamespace(enabled=True)
+    monkeypatch.setattr(vllm_config, "aux_output_config", aux, raising=False)
+    with pytest.raises(ValueError, match=r"does not support auxiliary outputs "
+                                         r"\(--enable-return-routed-experts\)"):
+        scheduler(vllm_config, FullAttentionSpec(**SPEC))

@@ -255,6 +255,10 @@ def test_the_config_fields_the_start_up_refusals_read_exist(vllm_root):
     assert {"model_config", "cache_config", "attention_config", "scheduler_config",
             "speculative_config", "kv_transfer_config", "kv_events_config"} <= \
         attributes("config/vllm.py", "VllmConfig")
+    if (vllm_root / "config" / "aux_output.py").exists():                # vLLM 0.33
+        assert "aux_output_config" in attributes("config/vllm.py", "VllmConfig")
+        assert "enabled" in methods(find_class(parse(vllm_root, "config/aux_output.py"),
+                                               "AuxOutputConfig"))
     create = methods(find_class(parse(vllm_root, "engine/arg_utils.py"), "EngineArgs"))[
         "create_engine_config"]
     rule = [ast.unparse(n.test) for n in ast.walk(create) if isinstance(n, ast.If)

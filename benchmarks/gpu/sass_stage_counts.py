@@ -60,7 +60,7 @@ def cuobjdump() -> str:
 
 
 def build(csrc: Path, cubin: Path) -> None:
-    subprocess.run(["nvcc", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-gencode",
+    subprocess.run(["nvcc", "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode",
                     "arch=compute_90a,code=sm_90a", "-cubin", "-o", str(cubin),
                     str(csrc / "cuda" / "tpp_kernels_bf16.cu")], check=True)
 

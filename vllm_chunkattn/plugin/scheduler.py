@@ -154,6 +154,11 @@ def config_refusals(vllm_config) -> list[str]:
     if vllm_config.kv_events_config is not None and \
             vllm_config.kv_events_config.enable_kv_cache_events:
         reasons.append("KV cache events")
+    aux = getattr(vllm_config, "aux_output_config", None)         # vLLM 0.33
+    if aux is not None and aux.enabled:
+        # Its scheduler connector tracks cached prefixes in vLLM's BlockPool, which the tree
+        # replaces: it would see no cached block at all.
+        reasons.append("auxiliary outputs (--enable-return-routed-experts)")
     return reasons
 
 
