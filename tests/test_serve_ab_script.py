@@ -44,6 +44,11 @@ main()' "$@"
 # took 71 s of each start (two servers at once, 2 cores). The last --dtype wins.
 # test_serve_ab_script_on_cpu keeps all three: bf16, the GPU's defaults, compiled.
 CPU_ENGINE = "--dtype float32 --enforce-eager"
+# Messages a request of 8 output tokens streams with --stream-interval 2: the first token, then
+# 2, 2, 2 and the last one (8 with an interval of 1). Fewer when vLLM's API server falls behind:
+# its RequestOutputCollector merges a request's pending deltas into one message (CI, 2 cores
+# shared with another test worker: one request of 4 came in 4 messages).
+STREAMED_AT_MOST = 5
 
 
 def served_model(tmp_path) -> Path:
@@ -153,10 +158,11 @@ def test_serve_ab_script_on_cpu(tmp_path):
         assert serve_metrics.histogram_mean_ms(counters, f"vllm:request_{part}_time_seconds") >= 0
     share = rows["random"].split("|")[9].strip()
     assert share not in ("", "nan") and float(share) < 100, summary
-    # 8 tokens in 5 messages (the first, then 2, 2, 2, and the last one at the finish); the
-    # busiest API server child's CPU and the client's were sampled while requests ran (the
-    # client here mostly waits on the server: its share may round to 0, but not be missing)
-    assert float(rows["random"].split("|")[10]) == pytest.approx(8 / 5), summary
+    # 8 tokens in 5 messages (the first, then 2, 2, 2, and the last one at the finish), or
+    # fewer (see STREAMED_AT_MOST); the busiest API server child's CPU and the client's were
+    # sampled while requests ran (the client here mostly waits on the server: its share may
+    # round to 0, but not be missing)
+    assert float(rows["random"].split("|")[10]) >= 8 / 5 - 1e-9, summary
     assert 0 < float(rows["random"].split("|")[11]) < 100 * os.cpu_count(), summary
     assert 0 <= float(rows["random"].split("|")[12]) < 100 * os.cpu_count(), summary
     # the engine's own inter-token latency (vLLM's histogram, engine-side timestamps) per run:
@@ -221,7 +227,8 @@ def test_serve_ab_pair_serves_both_systems_abba_from_one_start_each(tmp_path):
             res = json.load(t.extractfile("./random.json"))
             seed = re.search(r"seed=(\d+)", t.extractfile("./random.log").read().decode()).group(1)
         assert seed == str(int(tag[-1]) - 5), tag
-        assert serve_ab_report.tokens_per_message(res) == pytest.approx(8 / 5), tag
+        assert serve_ab_report.tokens_per_message(res) >= 8 / 5 - 1e-9, tag
+        assert max(len(gaps) + 1 for gaps in res["itls"]) <= STREAMED_AT_MOST, tag
         # the steps between this round's marks computed every prompt token
         mine = steps[f"random-r{tag[-1]}"]
         assert sum(s.context_tokens for s in mine) == sum(res["input_lens"]) > 0, tag
