@@ -7,9 +7,6 @@ its scheduler runs beside ours here. Without a driver vLLM's extensions need a s
 Usage (benchmarks/gpu/README.md, "vLLM 0.33 without a GPU"):
   PYTHONPATH=$PWD/benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/test_async_scheduling.py
 """
-import import_probe
 import rehearse_cuda_glue
 
-import_probe._ensure_libcuda()
-import_probe._force_cuda_platform()
-rehearse_cuda_glue.stand_in_device(rehearse_cuda_glue.H100)
+rehearse_cuda_glue.stand_in_h100()

@@ -25,10 +25,8 @@ import import_probe  # noqa: E402
 
 
 def main() -> int:
-    import_probe._ensure_libcuda()                # re-execs with a stub driver if none loads
-    import_probe._force_cuda_platform()
+    stand_in_h100()
     import torch
-    stand_in_device(H100)
     from vllm.config import (AttentionConfig, CacheConfig, ModelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.platforms import current_platform
@@ -80,6 +78,14 @@ def main() -> int:
 
 H100 = (*import_probe.H100, 232448)      # + cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
 L4 = ((8, 9), "NVIDIA L4", 101376)
+
+
+def stand_in_h100() -> None:
+    """vLLM's CUDA platform and torch.cuda as on an H100, no driver: the start of main(), and
+    what cuda_platform_stand_in.py (the pytest plugin) does on import."""
+    import_probe._ensure_libcuda()                # re-execs with a stub driver if none loads
+    import_probe._force_cuda_platform()
+    stand_in_device(H100)
 
 
 def stand_in_device(gpu) -> None:
