@@ -377,3 +377,27 @@ def test_resplit_cuts_the_same_bytes_at_a_new_part_size(tmp_path, monkeypatch):
     (bundle_dir / "c01" / "bundle.part01").write_bytes(b"x")   # a part that is not the manifest's
     with pytest.raises(SystemExit, match="not the manifest's part"):
         bundle.resplit(None)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_the_import_probe_finds_its_modules_in_each_vllm_the_cuda_extra_allows(version):
+    """bundle.py's closure imports import_probe.SERVE_MODULES and builds `vllm serve`'s parsers;
+    a module a vLLM version moved fails the probe there (0.33 moved make_arg_parser from
+    entrypoints/launchers/ to entrypoints/common/). Read from each version's sources; the
+    compiled extensions (`_C...`) have none there."""
+    import import_probe
+    from vllm_sources import vllm_sources
+
+    root = vllm_sources(version) / "pkg"
+
+    def source(module: str) -> Path | None:
+        path = root.joinpath(*module.split("."))
+        return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.exists()),
+                    None)
+
+    missing = [m for m in import_probe.SERVE_MODULES if m.startswith("vllm.")
+               and not m.rsplit(".", 1)[-1].startswith("_C") and source(m) is None]
+    assert missing == []
+    parsers = [m for m in import_probe.SERVE_ARG_PARSER
+               if source(m) and "\ndef make_arg_parser(" in source(m).read_text()]
+    assert parsers, f"no make_arg_parser in vLLM {version}'s {import_probe.SERVE_ARG_PARSER}"

@@ -55,6 +55,8 @@ SERVE_MODULES = [
     "vllm_chunkattn.plugin", "vllm_chunkattn.plugin.backend", "vllm_chunkattn.plugin.scheduler",
     "vllm_chunkattn.plugin.kv_cache_manager",
 ]
+# Where `vllm serve`'s make_arg_parser lives: vLLM 0.32, then 0.33 (which moved it).
+SERVE_ARG_PARSER = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.common.cli_args")
 
 
 class _Recorder:
@@ -249,7 +251,8 @@ def _cli_parsers():
     """Builds the `vllm serve` / `vllm bench serve` argument parsers, as the CLI does."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    make_arg_parser = importlib.import_module(next(
+        m for m in SERVE_ARG_PARSER if importlib.util.find_spec(m))).make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     make_arg_parser(FlexibleArgumentParser())
     add_cli_args(FlexibleArgumentParser())
