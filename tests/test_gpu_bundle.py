@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -30,7 +31,21 @@ def _manifest(path: Path) -> dict[str, list[list[str]]]:
     return rows
 
 
-def test_committed_manifest_is_consistent():
+@pytest.fixture(params=list(bundle.RELEASES))
+def release(request, monkeypatch):
+    """Each vLLM release's committed bundle in turn (bundle.select, undone after the test)."""
+    for name in ("RELEASE", "BUNDLE", "MANIFEST"):
+        monkeypatch.setattr(bundle, name, getattr(bundle, name))
+    bundle.select(request.param)
+    return request.param
+
+
+# Per release: the torch its closure was found beside, and the groups its parts hold.
+RELEASE_FACTS = {"0.32.0": ("2.13.0", ["core", "torch", "nccl"]),      # vLLM's own pin
+                 "0.33.0": (device_image.IMAGE_VERSIONS["torch"], ["core"])}   # the image's
+
+
+def test_committed_manifest_is_consistent(release):
     m = _manifest(bundle.MANIFEST)
     parts = [int(p[2]) for p in m["part"]]
     assert all(0 < n <= bundle.PART_BYTES for n in parts)
@@ -42,7 +57,8 @@ def test_committed_manifest_is_consistent():
     assert sum(parts) == offset
     assert [p[0] for p in m["part"]] == [f"c{i:02d}" for i in range(1, len(parts) + 1)]
     closure = {name: version for name, version in m["closure"]}
-    assert closure["vllm"] == "0.32.0" and closure["torch"] == "2.13.0"
+    torch_version, groups = RELEASE_FACTS[release]
+    assert closure["vllm"] == release and closure["torch"] == torch_version
     wheels = [w[-1] for w in m["wheel"]]
     assert len(wheels) == len(set(wheels))
     for w in wheels:                     # every wheel installs on CPython 3.12, x86-64 Linux
@@ -52,13 +68,33 @@ def test_committed_manifest_is_consistent():
     carried = {w.split("-")[0].lower() for w in wheels}
     for name in device_image.OPTIONAL_MODULES:      # optional imports never travel
         assert name.replace(".", "_") not in carried
-    # vLLM first on the image's torch; torch 2.13's stack, then NCCL, only if the device asks
-    assert [g[0] for g in m["group"]] == ["core", "torch", "nccl"]
+    # vLLM first on the image's torch; torch's stack, then NCCL, only if the device asks
+    assert [g[0] for g in m["group"]] == groups
     by_group = {}
     for group, _, _, _, fname in m["wheel"]:
         by_group.setdefault(group, set()).add(fname.split("-")[0])
-    assert by_group["torch"] == bundle.TORCH_STACK
+    assert by_group.get("torch", bundle.TORCH_STACK) == bundle.TORCH_STACK
     assert not by_group["core"] & bundle.TORCH_STACK and "vllm" in by_group["core"]
+    assert any(f"vllm-{release}-" in w for w in wheels)
+
+
+def test_a_closure_that_breaks_its_own_pins_is_refused():
+    """The closure's venv must hold what vLLM pins: vLLM 0.33's first bundle carried
+    apache-tvm-ffi 0.1.15.post2 (installed there beside vLLM with --no-deps) where vLLM pins
+    ==0.1.11. Torch's stack at the image's version is no conflict where no torch group travels."""
+    def dist(name, version, *requires):
+        return {"name": name, "version": version, "requires": list(requires)}
+    dists = {"vllm": dist("vllm", "0.33.0", "apache-tvm-ffi==0.1.11", "torch==2.14.0",
+                          'orjson>=9; python_version < "3.0"', "numpy>=2"),
+             "apache-tvm-ffi": dist("apache-tvm-ffi", "0.1.15.post2"),
+             "torch": dist("torch", "2.11.0"), "orjson": dist("orjson", "3.13.0"),
+             "numpy": dist("numpy", "?")}
+    assert bundle.conflicts(dists, ("core",)) == [
+        "apache-tvm-ffi 0.1.15.post2: vllm needs ==0.1.11"]
+    assert bundle.conflicts(dists, ("core", "torch", "nccl")) == [
+        "apache-tvm-ffi 0.1.15.post2: vllm needs ==0.1.11", "torch 2.11.0: vllm needs ==2.14.0"]
+    dists["apache-tvm-ffi"]["version"] = "0.1.11"
+    assert bundle.conflicts(dists, ("core",)) == []
 
 
 def test_plan_carries_what_the_image_lacks_or_breaks(monkeypatch):
@@ -296,7 +332,42 @@ def test_installer_script_parses():
     compile((GPU / "install_check.py").read_text(), "install_check.py", "exec")
 
 
-def test_every_part_call_fits_what_a_device_call_carries():
+def test_the_installer_takes_each_releases_bundle(tmp_path, release):
+    """VLLM_RELEASE gives install_bundle.sh the manifest and the carried folder bundle.py writes
+    for that release (RELEASES): a part in that folder is checked against that manifest, and with
+    nothing carried collect names exactly that manifest's groups and parts as missing. A release
+    without a bundle is refused."""
+    repo = tmp_path / "repo"                      # the scripts beside both manifests, no parts
+    (repo / "benchmarks" / "gpu").mkdir(parents=True)
+    for f in ["install_bundle.sh", "detached_bench.sh", *(m for m, _, _ in bundle.RELEASES.values())]:
+        (repo / "benchmarks" / "gpu" / f).write_bytes((GPU / f).read_bytes())
+    script = repo / "benchmarks" / "gpu" / "install_bundle.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "VLLM_RELEASE": release,
+           "VLLM_PARTS": str(tmp_path / "parts"), "VLLM_MARKER": str(tmp_path / "marker"),
+           "BENCH_STATE": str(tmp_path / "bench")}
+    for name in ("VLLM_MANIFEST", "VLLM_BUNDLE_DIR"):
+        env.pop(name, None)
+    collect = lambda: subprocess.run(["bash", str(script), "collect"], capture_output=True,  # noqa: E731
+                                     text=True, env=env)
+    carried = repo / bundle.BUNDLE.name / "c01"
+    carried.mkdir(parents=True)
+    (carried / "bundle.part01").write_bytes(b"not the manifest's part")
+    out = collect()
+    assert out.returncode != 0 and "BAD checksum: bundle.part01" in out.stdout, out.stdout
+    (carried / "bundle.part01").unlink()
+    out = collect()
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = _manifest(bundle.MANIFEST)
+    groups = re.findall(r"group (\w+): missing ([\w. ]+?) ?(?:\(|$)", out.stdout, re.M)
+    assert [g for g, _ in groups] == [g[0] for g in m["group"]]
+    named = [p for _, parts in groups for p in parts.split()]
+    assert sorted(set(named)) == [p[1] for p in m["part"]]
+    env["VLLM_RELEASE"] = "0.31.0"
+    out = collect()
+    assert out.returncode == 2 and "no bundle for it" in out.stdout
+
+
+def test_every_part_call_fits_what_a_device_call_carries(release):
     """Each part call carries the working tree (tracked files and untracked ones git does not
     ignore) beside its part: a big file committed or left lying in the checkout would make every
     part call of a GPU session fail (the device tool's limit is 64 MiB a call)."""
@@ -371,7 +442,7 @@ def test_resplit_cuts_the_same_bytes_at_a_new_part_size(tmp_path, monkeypatch):
     text = bundle.MANIFEST.read_text().splitlines()
     assert text[0] == "# head" and "# tail" in text and "closure x 1" in text
     assert sum(ln.startswith("# group ") for ln in text) == 2
-    assert f"# {len(sizes)} parts of <= 0 MiB: .bundle/c01 .. c{len(sizes):02d}, one carried per device call" in text
+    assert f"# {len(sizes)} parts of <= 0 MiB: {bundle.BUNDLE.name}/c01 .. c{len(sizes):02d}, one carried per device call" in text
     last = (int(m["group"][-1][1]) + int(m["group"][-1][2]) - 1) // 4096 + 1
     assert any(ln.startswith("# group nccl:") and ln.split(" (")[0].endswith(f"-{last}") for ln in text)
     (bundle_dir / "c01" / "bundle.part01").write_bytes(b"x")   # a part that is not the manifest's

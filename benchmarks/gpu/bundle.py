@@ -2,7 +2,8 @@
 vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 50 MiB parts that
 travel one per device call (README.md). Three groups, back to back: core (vLLM on the image's
 torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two carried only
-if the device's install asks for them. What the image holds: device_image.py.
+if the device's install asks for them. What the image holds: device_image.py. `--vllm 0.33.0`
+before the command: vLLM 0.33's bundle instead, core alone (RELEASES).
 
     .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
     .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
@@ -12,7 +13,8 @@ if the device's install asks for them. What the image holds: device_image.py.
 
 `closure` runs import_probe.py in a Python 3.12 venv holding vLLM's wheels (and with --live
 records a real CPU serve + bench run in this venv); `build` keeps what the device image lacks or
-has at an incompatible version and writes bundle_manifest.txt (committed) and .bundle/ (ignored).
+has at an incompatible version and writes bundle_manifest.txt (committed) and .bundle/ (ignored),
+or for 0.33 bundle_manifest_vllm0.33.0.txt and .bundle-vllm0.33.0/.
 """
 from __future__ import annotations
 
@@ -25,20 +27,26 @@ import sys
 import tarfile
 from pathlib import Path
 
-from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name as canon
 from packaging.version import Version
 
-from bundle_closure import closure   # this folder is sys.path[0]
-from device_image import (DEVICE_ENV, IMAGE_PACKAGES, IMAGE_VERSIONS, PLATFORMS, SHARED_LIBS,
+from bundle_closure import closure, conflicts, wants_of   # this folder is sys.path[0]
+from device_image import (IMAGE_PACKAGES, IMAGE_VERSIONS, PLATFORMS, SHARED_LIBS,
                           TORCH_STACK)
 from recompress import recompressed
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-BUNDLE = REPO / ".bundle"                 # git-ignored: wheels/, cNN/ (one part per device call)
-MANIFEST = HERE / "bundle_manifest.txt"
+# A bundle per vLLM release: (its manifest, committed; its folder, git-ignored: wheels/, cNN/,
+# one part per device call; the groups it builds). 0.33.0's is vLLM on the image's torch 2.11
+# alone: its fallback torch stack (2.14, triton 3.8, NCCL 2.30) would be ~12 more parts, and
+# nothing here has checked a shim for the image's NCCL under torch 2.14 (README.md).
+RELEASES = {"0.32.0": ("bundle_manifest.txt", ".bundle", ("core", "torch", "nccl")),
+            "0.33.0": ("bundle_manifest_vllm0.33.0.txt", ".bundle-vllm0.33.0", ("core",))}
+RELEASE = "0.32.0"
+BUNDLE = REPO / RELEASES[RELEASE][1]
+MANIFEST = HERE / RELEASES[RELEASE][0]
 # 50 MiB leaves the tree that travels with every part call 14 MiB (it outgrew 4 MiB beside 60 MiB
 # parts with the H100 results, 2026-11-26, and was 7.2 of 8 MiB beside 56 MiB ones, 2026-11-28,
 # with a GPU session's results ~1 MiB); the core group's 244.7 MiB still take 5 parts.
@@ -57,12 +65,7 @@ def plan(dists: dict) -> tuple[list, list, list]:
     device's version must meet. Carry: the image lacks it, or its version fails a requirement of
     the closure. Reserve: the image has it at a version nobody read and something constrains it:
     carried, installed on the device only if its own version fails that specifier."""
-    wants: dict[str, list[tuple[str, Requirement]]] = {}
-    for d in dists.values():
-        for r in d.get("requires") or []:
-            req = Requirement(r)
-            if req.marker is None or req.marker.evaluate({**DEVICE_ENV, "extra": ""}):
-                wants.setdefault(canon(req.name), []).append((d["name"], req))
+    wants = wants_of(dists)
     image = {canon(n) for n in IMAGE_PACKAGES}
     carry, reserve, reuse = [], [], []
     for key, d in sorted(dists.items()):
@@ -201,19 +204,29 @@ def build(args) -> None:
     if args.from_manifest:
         return _rebuild()
     dists = json.loads((BUNDLE / "closure.json").read_text())["distributions"]
+    built = RELEASES[RELEASE][2]
+    if bad := conflicts(dists, built):
+        sys.exit("the closure's venv breaks its own requirements: install these pins there, then "
+                 "`closure` again:\n  " + "\n  ".join(bad))
     carry, reserve, reuse = plan(dists)
+    stack = [r for r in carry if canon(r[0]) in TORCH_STACK]
+    if "torch" not in built:     # vLLM on the image's torch or not at all (RELEASES)
+        carry = [r for r in carry if r not in stack]
+        reuse += [(n, "-", f"not carried for vLLM {RELEASE}: {why}") for n, _, why in stack]
+        stack = []
+    shared = SHARED_LIBS if "nccl" in built else {}
     wheels = BUNDLE / "wheels"
     _download([f"{r[0]}=={r[1]}" for r in carry + reserve] +
-              [f"{n}=={v}" for n, v in SHARED_LIBS.items()], wheels)
+              [f"{n}=={v}" for n, v in shared.items()], wheels)
     big = [r for r in reserve if _wheel_for(wheels, r[0], r[1]).stat().st_size > RESERVE_MAX]
     reserve = [r for r in reserve if r not in big]
     reuse += [(n, "?", f"unread, too big to hold in reserve; check on the device: {why[22:]}")
               for n, _, why, _ in big]
-    stack = [r for r in carry if canon(r[0]) in TORCH_STACK]
     groups = {"core": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in carry if r not in stack] +
                       [("reserve", _wheel_for(wheels, r[0], r[1])) for r in reserve],
               "torch": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in stack],
-              "nccl": [("wheels", _wheel_for(wheels, n, v)) for n, v in SHARED_LIBS.items()]}
+              "nccl": [("wheels", _wheel_for(wheels, n, v)) for n, v in shared.items()]}
+    groups = {g: members for g, members in groups.items() if g in built}
     for f in set(wheels.glob("*.whl")) - {w for g in groups.values() for _, w in g}:
         f.unlink()
     lines, layout = _pack(groups)
@@ -252,7 +265,7 @@ def _rebuild() -> None:
 def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> None:
     size = {ln.split()[-1]: int(ln.split()[3]) for ln in wheel_lines}
     mib = lambda b: f"{b / 2**20:8.2f}"                                   # noqa: E731
-    out = ["# vLLM 0.32.0 (CUDA) for the lent GPU: what the image 'cuda' (Python 3.12, torch",
+    out = [f"# vLLM {RELEASE} (CUDA) for the lent GPU: what the image 'cuda' (Python 3.12, torch",
            "# 2.11.0+cu130) lacks for `vllm serve` + `vllm bench serve` of a Llama model.",
            "# Made by `.venv/bin/python benchmarks/gpu/bundle.py closure ... && ... build`: the",
            "# import closure from import_probe.py in a Python 3.12 venv holding vLLM's CUDA wheels",
@@ -296,7 +309,7 @@ def _layout_comments(wheel_lines: list[str], layout: list[str]) -> list[str]:
                           f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py")
                        + (f"; {OPTIONAL_GROUPS[g]})" if g in OPTIONAL_GROUPS else ")"))
     n_parts = sum(ln.startswith("part ") for ln in layout)
-    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: .bundle/c01 .. c{n_parts:02d}, "
+    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: {BUNDLE.name}/c01 .. c{n_parts:02d}, "
                "one carried per device call")
     return out
 
@@ -344,7 +357,7 @@ def status(args) -> None:
         only = next((OPTIONAL_GROUPS[g] for g in touched), "") \
             if all(g in OPTIONAL_GROUPS for g in touched) else ""
         start += int(nbytes)
-        print(f"call {folder[1:]}: carry .bundle/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
+        print(f"call {folder[1:]}: carry {BUNDLE.name}/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
               f"  {'ok' if ok else 'MISSING/BAD'}{f'  ({only})' if only else ''}")
     tree, call = largest_call_bytes()
     print(f"the tree that travels: {tree / 2**20:.2f} MiB; largest call {call / 2**20:.2f} MiB "
@@ -361,8 +374,17 @@ def largest_call_bytes() -> tuple[int, int]:
     return tree, tree + max(int(p[3]) for p in parts)
 
 
+def select(release: str) -> None:
+    """Points MANIFEST, BUNDLE and the groups built at `release`'s bundle (RELEASES)."""
+    global RELEASE, BUNDLE, MANIFEST
+    RELEASE = release
+    BUNDLE, MANIFEST = REPO / RELEASES[release][1], HERE / RELEASES[release][0]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vllm", choices=RELEASES, default=RELEASE,
+                   help="the vLLM release whose bundle to build or check (RELEASES)")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("closure", help="find the distributions the serve path imports")
     c.add_argument("--python", required=True, help="python of a 3.12 venv holding vLLM's wheels")
@@ -374,6 +396,7 @@ def main(argv=None):
     s = sub.add_parser("status", help="list the parts, one per device call, and check them")
     s.add_argument("--quick", action="store_true", help="sizes only, no checksums")
     args = p.parse_args(argv)
+    select(args.vllm)
     if args.cmd == "closure":
         return closure(args, BUNDLE)
     {"build": build, "resplit": resplit, "status": status}[args.cmd](args)

@@ -1,6 +1,7 @@
 """`bundle.py closure`: the distributions vLLM's serve path imports, found by import_probe.py in
 a Python 3.12 venv holding vLLM's CUDA wheels (and, with --live, a real CPU serve + bench run in
-this venv); written to .bundle/closure.json for `bundle.py build`.
+this venv); written to .bundle/closure.json for `bundle.py build`, which first checks that the
+venv held what the closure's own distributions require (`conflicts`).
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as canon
+from packaging.version import Version
 
-from device_image import IMAGE_PACKAGES, OPTIONAL_MODULES
+from device_image import DEVICE_ENV, IMAGE_PACKAGES, OPTIONAL_MODULES, TORCH_STACK
 from import_probe import live_run     # this folder is sys.path[0]
 
 HERE = Path(__file__).resolve().parent
@@ -65,3 +68,28 @@ def closure(args, bundle: Path) -> None:
     bundle.mkdir(exist_ok=True)
     (bundle / "closure.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"{len(dists)} distributions -> {bundle / 'closure.json'}; left absent: {blocked}")
+
+
+def wants_of(dists: dict) -> dict[str, list[tuple[str, Requirement]]]:
+    """{distribution: [(who, requirement)]}: what the closure's distributions require on the
+    device (markers evaluated there, no extras)."""
+    wants: dict[str, list[tuple[str, Requirement]]] = {}
+    for d in dists.values():
+        for r in d.get("requires") or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({**DEVICE_ENV, "extra": ""}):
+                wants.setdefault(canon(req.name), []).append((d["name"], req))
+    return wants
+
+
+def conflicts(dists: dict, groups: tuple[str, ...]) -> list[str]:
+    """Closure distributions at a version another one's requirement excludes: the closure's venv
+    did not hold what vLLM pins (a `pip install --no-deps` there), and the bundle would carry it
+    (0.33's first build: apache-tvm-ffi 0.1.15.post2 where vLLM pins ==0.1.11). Without a torch
+    group the image's torch stack stands where vLLM pins another: that is the point, not a fault."""
+    wants = wants_of(dists)
+    return [f"{d['name']} {d['version']}: {who} needs {r.specifier}"
+            for key, d in sorted(dists.items())
+            if d["version"] != "?" and ("torch" in groups or key not in TORCH_STACK)
+            for who, r in wants.get(key, [])
+            if not r.specifier.contains(Version(d["version"]), prereleases=True)]

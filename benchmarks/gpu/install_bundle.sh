@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device side of the vLLM 0.32.0 bundle (bundle.py builds it; README.md has the call sequence).
+# Device side of the vLLM 0.32.0 bundle, or 0.33.0's (VLLM_RELEASE below; bundle.py builds both;
+# README.md has the call sequence).
 # Run in the repo root on the lent GPU machine:
 #   bash benchmarks/gpu/install_bundle.sh facts      # python, GPU, the image's CUDA wheels
 #   bash benchmarks/gpu/install_bundle.sh collect    # this call's .bundle/cNN part -> /tmp, marker
@@ -15,12 +16,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
-MANIFEST=$(realpath "${VLLM_MANIFEST:-benchmarks/gpu/bundle_manifest.txt}")
-BUNDLE=${VLLM_BUNDLE_DIR:-.bundle}         # where this call's carried part lies (.bundle/cNN)
-PARTS=${VLLM_PARTS:-/tmp/vllm_parts}       # parts gathered over the calls
-WHEELS=${VLLM_WHEELS:-/tmp/vllm_wheels}    # the reassembled tars, unpacked
-SITE=${VLLM_SITE:-/tmp/vllm_site}          # pip --target: goes first on PYTHONPATH
-MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}
+# VLLM_RELEASE=0.33.0 in every call: vLLM 0.33's bundle (bundle.py --vllm 0.33.0: core alone),
+# its own manifest, carried folder and folders under /tmp (the marker is the machine's).
+case ${VLLM_RELEASE:-0.32.0} in
+  0.32.0) TAG= ;;
+  0.33.0) TAG=-vllm0.33.0 ;;
+  *) echo "VLLM_RELEASE=$VLLM_RELEASE: no bundle for it (bundle.py RELEASES: 0.32.0, 0.33.0)"
+     exit 2 ;;
+esac
+MANIFEST=$(realpath "${VLLM_MANIFEST:-benchmarks/gpu/bundle_manifest${TAG/-/_}.txt}")
+BUNDLE=${VLLM_BUNDLE_DIR:-.bundle$TAG}     # where this call's carried part lies (.bundle/cNN)
+PARTS=${VLLM_PARTS:-/tmp/vllm_parts$TAG}   # parts gathered over the calls
+WHEELS=${VLLM_WHEELS:-/tmp/vllm_wheels$TAG}   # the reassembled tars, unpacked
+SITE=${VLLM_SITE:-/tmp/vllm_site$TAG}      # pip --target: goes first on PYTHONPATH
+MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}   # a line per part call, either release
 PY=${PYTHON:-python3}                      # the image's python (torch 2.11, nvidia-* wheels)
 SESSION_ENV=${SESSION_ENV:-/tmp/chunkattn_session.env}   # run_on_device.sh's knobs for the session
 NCCL_MIN=2.29                              # torch 2.13 needs symbols NCCL 2.28 lacks (bundle.py)
@@ -263,5 +272,5 @@ case "${1:-}" in
   check) check ;;
   gputests) gputests ;;
   env) print_env ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
 esac
