@@ -339,7 +339,8 @@ def test_the_installer_takes_each_releases_bundle(tmp_path, release):
     without a bundle is refused."""
     repo = tmp_path / "repo"                      # the scripts beside both manifests, no parts
     (repo / "benchmarks" / "gpu").mkdir(parents=True)
-    for f in ["install_bundle.sh", "detached_bench.sh", *(m for m, _, _ in bundle.RELEASES.values())]:
+    manifests = [manifest for manifest, _, _ in bundle.RELEASES.values()]
+    for f in ["install_bundle.sh", "detached_bench.sh", *manifests]:
         (repo / "benchmarks" / "gpu" / f).write_bytes((GPU / f).read_bytes())
     script = repo / "benchmarks" / "gpu" / "install_bundle.sh"
     env = {**os.environ, "PYTHON": sys.executable, "VLLM_RELEASE": release,
@@ -347,8 +348,11 @@ def test_the_installer_takes_each_releases_bundle(tmp_path, release):
            "BENCH_STATE": str(tmp_path / "bench")}
     for name in ("VLLM_MANIFEST", "VLLM_BUNDLE_DIR"):
         env.pop(name, None)
-    collect = lambda: subprocess.run(["bash", str(script), "collect"], capture_output=True,  # noqa: E731
-                                     text=True, env=env)
+
+    def collect() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), "collect"], capture_output=True, text=True,
+                              env=env)
+
     carried = repo / bundle.BUNDLE.name / "c01"
     carried.mkdir(parents=True)
     (carried / "bundle.part01").write_bytes(b"not the manifest's part")

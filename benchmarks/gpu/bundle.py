@@ -309,8 +309,8 @@ def _layout_comments(wheel_lines: list[str], layout: list[str]) -> list[str]:
                           f" (wheels over {XZ_MIN >> 20} MiB as xz: recompress.py")
                        + (f"; {OPTIONAL_GROUPS[g]})" if g in OPTIONAL_GROUPS else ")"))
     n_parts = sum(ln.startswith("part ") for ln in layout)
-    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: {BUNDLE.name}/c01 .. c{n_parts:02d}, "
-               "one carried per device call")
+    out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: {BUNDLE.name}/c01 .. "
+               f"c{n_parts:02d}, one carried per device call")
     return out
 
 
@@ -357,8 +357,9 @@ def status(args) -> None:
         only = next((OPTIONAL_GROUPS[g] for g in touched), "") \
             if all(g in OPTIONAL_GROUPS for g in touched) else ""
         start += int(nbytes)
-        print(f"call {folder[1:]}: carry {BUNDLE.name}/{folder}  {name}  {int(nbytes) / 2**20:5.1f} MiB"
-              f"  {'ok' if ok else 'MISSING/BAD'}{f'  ({only})' if only else ''}")
+        print(f"call {folder[1:]}: carry {BUNDLE.name}/{folder}  {name}  "
+              f"{int(nbytes) / 2**20:5.1f} MiB  {'ok' if ok else 'MISSING/BAD'}"
+              f"{f'  ({only})' if only else ''}")
     tree, call = largest_call_bytes()
     print(f"the tree that travels: {tree / 2**20:.2f} MiB; largest call {call / 2**20:.2f} MiB "
           f"of 64 MiB{'' if call < CALL_BYTES else ': TOO BIG, ignore or remove untracked files'}")
