@@ -32,9 +32,10 @@ from strip_internals import strip_internal_asserts
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "expected_failures.txt"
-# refused / environment / internals: strict xfail; internals-stripped: run without the asserts
-# on internals (strip_internals.py), must pass; not run: deselected.
-CATEGORIES = ("refused", "environment", "internals", "internals-stripped", "not run")
+# refused / environment / internals / differs: strict xfail; internals-stripped: run without the
+# asserts on internals (strip_internals.py), must pass; not run: deselected.
+CATEGORIES = ("refused", "environment", "internals", "internals-stripped", "differs", "not run")
+RELEASES = ("0.32.0", "0.33.0")      # the vLLM releases whose tests the list knows
 SWAP = os.environ.get("CHUNKATTN_EXT_SWAP", "1") != "0"
 
 USES = [0]       # tree managers and CUSTOM builders built so far: which tests exercised ours
@@ -173,16 +174,27 @@ def _adapt_attention_harness(module) -> None:
 
 # -- expected failures ----------------------------------------------------------------------------
 
-def read_expected(path: Path = EXPECTED) -> dict[str, tuple[str, str]]:
-    """`node id  # category: reason` per line -> {node id: (category, reason)}."""
+def read_expected(release: str, path: Path = EXPECTED) -> dict[str, tuple[str, str]]:
+    """`node id  # category: reason` per line -> {node id: (category, reason)}, the entries of
+    vLLM `release`: a category followed by `[releases]` (`refused [0.33.0]: ...`) applies to
+    those releases only, one without to every release."""
     expected = {}
     for line in path.read_text().splitlines():
         node, _, note = line.partition("#")
         if node.strip():
-            category, _, reason = note.partition(":")
-            assert category.strip() in CATEGORIES, f"{EXPECTED.name}: {line!r}"
-            expected[node.strip()] = (category.strip(), reason.strip())
+            head, _, reason = note.partition(":")
+            category, _, scope = head.partition("[")
+            releases = scope.rstrip().removesuffix("]").split() if scope else [release]
+            assert category.strip() in CATEGORIES and set(releases) <= set(RELEASES), \
+                f"{path.name}: {line!r}"
+            if release in releases:
+                expected[node.strip()] = (category.strip(), reason.strip())
     return expected
+
+
+def installed_release() -> str:
+    import vllm
+    return vllm.__version__.split("+")[0]
 
 
 def covers(entry: str, nodeid: str) -> bool:
@@ -196,7 +208,7 @@ def covers(entry: str, nodeid: str) -> bool:
 class _Tally:
     def __init__(self, report_path: str | None):
         self.report_path = report_path
-        self.expected = read_expected() if SWAP else {}
+        self.expected = read_expected(installed_release()) if SWAP else {}
         self.used: set[str] = set()
         self.outcomes: dict[str, str] = {}
         self.messages: dict[str, str] = {}       # failed test -> first line of its error
@@ -225,7 +237,8 @@ class _Tally:
             if category == "internals-stripped":
                 item.obj, self.stripped[item.nodeid] = strip_internal_asserts(item.obj)
             else:
-                raises = (ValueError, NotImplementedError) if category == "refused" else None
+                raises = {"refused": (ValueError, NotImplementedError),
+                          "differs": AssertionError}.get(category)
                 item.add_marker(pytest.mark.xfail(strict=True, raises=raises,
                                                   reason=f"{category}: {reason}"))
         if deselected:
