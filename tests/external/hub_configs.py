@@ -1,9 +1,9 @@
 """config.json of the Hugging Face models vLLM's tests name (public configs, no weights), so the
 tests run offline: `write_redirects` makes one folder per model with its config and the tiny
 model's tokenizer, and a VLLM_MODEL_REDIRECT_PATH file mapping the hub names to them. A
-multimodal model also gets its image processor's config, and its image token in the tokenizer
-at the id the model's config names (vLLM runs a dummy image through the processor to size the
-encoder budget, and finds the image's place in the prompt by that id)."""
+multimodal model also gets its image processor's config, and its image and vision tokens in the
+tokenizer at the ids the model's config names (vLLM runs a dummy image through the processor to
+size the encoder budget, and finds the image's place in the prompt by those ids)."""
 from __future__ import annotations
 
 import json
