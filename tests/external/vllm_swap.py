@@ -184,10 +184,10 @@ def read_expected(release: str, path: Path = EXPECTED) -> dict[str, tuple[str, s
         if node.strip():
             head, _, reason = note.partition(":")
             category, _, scope = head.partition("[")
-            releases = scope.rstrip().removesuffix("]").split() if scope else [release]
-            assert category.strip() in CATEGORIES and set(releases) <= set(RELEASES), \
+            releases = scope.rstrip().removesuffix("]").split() if scope else None
+            assert category.strip() in CATEGORIES and set(releases or ()) <= set(RELEASES), \
                 f"{path.name}: {line!r}"
-            if release in releases:
+            if releases is None or release in releases:
                 expected[node.strip()] = (category.strip(), reason.strip())
     return expected
 
