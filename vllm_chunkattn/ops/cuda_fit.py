@@ -4,6 +4,10 @@ cannot serve stops at start-up with the reason, not at the first decode (or its 
 Imports no vLLM and touches no GPU."""
 from __future__ import annotations
 
+# Block sizes the CUDA kernel takes: powers of two (it finds a token's block by shift and mask,
+# csrc/cuda/tpp_kernels.cuh), from 16 up, which FLASH_ATTN (it writes the KV cache and runs
+# prefill under CUSTOM) also takes.
+CUDA_BLOCK_SIZES = (16, 32, 64, 128, 256)
 MIN_CAPABILITY = (8, 0)
 NEEDS_CAPABILITY = (f"compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (cp.async, "
                     f"ldmatrix, bf16 mma)")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..plan import TppPlan
+from ..plan.tpp_plan import TppPlan
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -39,9 +39,7 @@ def _register_fake() -> None:
         return
 
     @torch.library.register_fake("chunkattn::tpp_decode")
-    def _(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr, node_block_ids,
-          node_seq_indptr, node_seq_ids, seq_partial_indptr, seq_partial_ids,
-          seq_num_shared_blocks, partial_o, partial_m, partial_l, scale, out, lse):
+    def _(*args):                  # the arguments are the schema's (csrc/tpp_schema.h)
         return None
 
 
@@ -67,9 +65,7 @@ def check_plan(plan: TppPlan, block_table, seq_lens, block_size: int,
     if not _load() or not hasattr(torch.ops.chunkattn, "tpp_check_plan"):
         return
     torch.ops.chunkattn.tpp_check_plan(
-        _host_int32(block_table), _host_int32(seq_lens), plan.node_block_indptr,
-        plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids, plan.seq_partial_indptr,
-        plan.seq_partial_ids, plan.seq_num_shared_blocks,
+        _host_int32(block_table), _host_int32(seq_lens), *plan.tensors(),
         _INT32_MAX if num_blocks is None else num_blocks, block_size)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import TppPlan
+from ..plan.tpp_plan import TppPlan
 
 
 def paged_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -87,7 +87,7 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
     # Phase 1, chunk-first: each shared node's KV is read once for all its sharers' queries.
     for n in range(plan.num_nodes):
         if ns[n] == ns[n + 1]:
-            continue                  # an empty node: capacity padding (plan_capacity.py)
+            continue                  # an empty node: capacity padding (plan/capacity.py)
         blocks = nbi[nb[n]:nb[n + 1]]
         k, v = paged_kv(key_cache, value_cache, blocks, len(blocks) * block_size)
         rows = nsi[ns[n]:ns[n + 1]]

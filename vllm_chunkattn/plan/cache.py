@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .plan import SortedRows, TppPlan, _build, _host, first_blocks_shared
-from .plan_capacity import pad_plan
-from .plan_staging import PlanStaging
+from .build import SortedRows, _build, _host, first_blocks_shared
+from .capacity import pad_plan
+from .staging import PlanStaging
+from .tpp_plan import TppPlan
 
 
 @dataclass
@@ -57,11 +58,11 @@ class PlanCache:
     The CPU op checks the plan's indices on every call; a device op checks only shapes (reading
     a device plan would sync every layer), so for a device the host plan is checked here, every
     step, before it is copied (ops.check_plan: the CPU op's checks and messages). On CUDA a new
-    plan goes to persistent device buffers through pinned staging (plan_staging.py): no sync."""
+    plan goes to persistent device buffers through pinned staging (staging.py): no sync."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  check_on_host: bool | None = None, capacity=None):
-        """capacity: a plan_capacity.PlanCapacity for CUDA graphs: every plan is pruned to fit
+        """capacity: a capacity.PlanCapacity for CUDA graphs: every plan is pruned to fit
         it and padded to it, in one device buffer that never moves (None: exact plans)."""
         self.enabled = os.environ.get("CHUNKATTN_PLAN_CACHE", "1") != "0"
         self.block_size = block_size
@@ -103,5 +104,5 @@ class PlanCache:
 
     def _check(self, bt: np.ndarray, sl: np.ndarray, num_blocks: int | None) -> None:
         if self.check_on_host:
-            from .ops.native import check_plan        # (loads the native library)
+            from ..ops.native import check_plan        # (loads the native library)
             check_plan(self._host_plan, bt, sl, self.block_size, num_blocks)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .plan import TppPlan
+from .tpp_plan import TppPlan
 
-FIELDS = ("node_block_indptr", "node_block_ids", "node_seq_indptr", "node_seq_ids",
-          "seq_partial_indptr", "seq_partial_ids", "seq_num_shared_blocks")
 
 
 class PlanStaging:
@@ -36,7 +34,7 @@ class PlanStaging:
     def upload(self, plan: TppPlan) -> TppPlan:
         """plan: on the host (as PlanCache builds it). Returns the same plan on self.device, its
         tensors views of the persistent buffer (valid until the next upload)."""
-        arrays = [getattr(plan, f) for f in FIELDS]
+        arrays = plan.tensors()
         total = sum(a.numel() for a in arrays)
         while self.capacity < total:
             self.capacity *= 2
@@ -50,7 +48,7 @@ class PlanStaging:
         if self._dev is None or self._dev.numel() < self.capacity:
             self._dev = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
         views, offset = {}, 0
-        for name, a in zip(FIELDS, arrays):
+        for name, a in zip(TppPlan.TENSORS, arrays):
             n = a.numel()
             host[offset:offset + n].copy_(a)
             views[name] = self._dev[offset:offset + n]

@@ -9,9 +9,9 @@ num_seqs - 1 nodes: by that the op knows its shapes are capacities, and its CTAs
 chunk-first KV splits from the real tree (csrc/cuda/tpp_params.cuh, chunk_splits_of).
 
 Capacities of a batch of B rows:
-  nodes:       B - 1, the most a tree of B leaves has (every node has >= 2 rows; see plan.py);
+  nodes:       B - 1, the most a tree of B leaves has (every node has >= 2 rows; see tpp_plan.py);
   partials:    PARTIALS_PER_ROW * B, a tree of that depth; a deeper tree is pruned to fit
-               (build_plan's max_partials: its deepest nodes are read privately, still exact);
+               (build.build_plan's max_partials: its deepest nodes are read privately, still exact);
   node blocks: every node has >= 2 rows, so at most B // 2 table rows of blocks, capped at
                MAX_NODE_BLOCKS (a bigger shared set is pruned the same way).
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import TppPlan, _as_int32
+from .tpp_plan import TppPlan, _as_int32
 
 PARTIALS_PER_ROW = 4
 MAX_NODE_BLOCKS = 1 << 15

@@ -1,0 +1,46 @@
+"""The support matrix has one home (plugin/support.py): the README shows its table as generated,
+and what the table says is refused is what the refusals refuse."""
+import re
+from pathlib import Path
+
+from vllm.v1.attention.backend import AttentionType
+
+from vllm_chunkattn.plugin import support
+from vllm_chunkattn.plugin.backend import ChunkAttnBackend
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
+
+
+def test_the_readme_shows_the_generated_support_matrix():
+    text = README.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "the README lost its markers"
+    shown = text.split(BEGIN)[1].split(END)[0].strip()
+    assert shown == support.markdown().strip(), (
+        "README's support matrix differs from plugin/support.py's: regenerate it with "
+        "`python -m vllm_chunkattn.plugin.support` and paste it between the markers")
+
+
+def test_the_layer_refusals_name_each_refused_kind_of_attention():
+    assert support.layer_refusals() == []
+    reasons = support.layer_refusals(alibi_slopes=[1.0], sliding_window=128,
+                                     logits_soft_cap=50.0,
+                                     attn_type=AttentionType.ENCODER_DECODER,
+                                     kv_cache_dtype="fp8", sinks=object())
+    assert reasons == ["ALiBi position biases", "sliding window attention (window 128)",
+                       "logits soft-capping (50.0)",
+                       "encoder-decoder attention (only decoder self-attention is supported)",
+                       "quantized KV cache (fp8)", "attention sinks"]
+    assert "exactly: ALiBi" in str(support.refusal(reasons[:1]))
+
+
+def test_the_table_states_the_backends_own_limits():
+    table = support.markdown()
+    sizes = ChunkAttnBackend.get_supported_head_sizes()
+    assert f"head size {' / '.join(map(str, sizes))}" in table
+    assert set(ChunkAttnBackend.supported_kv_cache_dtypes) == set(support.KV_CACHE_DTYPES)
+    refused = [what for what, ok, _ in support.MATRIX if not ok]
+    for kind in ("sliding window", "attention sinks", "MLA", "quantized KV cache",
+                 "speculative decoding", "KV connectors, KV cache events"):
+        assert any(kind in what for what in refused), kind
+    assert re.search(r"the kernel needs \d+ bytes", table)
