@@ -50,8 +50,8 @@ def test_metadata_carries_the_batch_slot_mapping(vllm_config):
 
 
 def test_non_causal_metadata_is_refused_not_computed_causally(vllm_config):
-    """Found by vLLM's attention harness: non-causal metadata (which vLLM's selector never hands
-    CUSTOM) used to reach the prefill rows as causal; building it is an error now."""
+    """Non-causal metadata (vLLM's attention test harness builds it; vLLM's selector never hands
+    it to CUSTOM) is refused: building it is an error, not prefill rows computed as causal."""
     builder = make_builder(vllm_config)
     query_start_loc = torch.tensor([0, 5], dtype=torch.int32)
     seq_lens = torch.tensor([5], dtype=torch.int32)
@@ -90,7 +90,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_decode_plan_comes_from_host_copies_only(vllm_config):
-    """#9: build() plans from vLLM's host copies (the V1 runner's BlockTable.cpu rows found through
+    """build() plans from vLLM's host copies (the V1 runner's BlockTable.cpu rows found through
     plugin/host_block_table.py, seq_lens_cpu_upper_bound) and never reads the device tensors,
     played here by meta tensors."""
     from vllm.v1.worker.block_table import BlockTable
@@ -139,7 +139,7 @@ def test_a_new_builder_releases_the_views_of_the_old_kv_cache(vllm_config):
     import weakref
 
     from vllm_chunkattn.ops.reference import tpp_decode_reference
-    from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+    from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
     b = random_tree_batch(4, **TREE_SPECS["system_prompts"], block_size=BS, num_heads=HEADS,
                           num_kv_heads=2, layout="cpu_attn")
     builder = make_builder(vllm_config)
@@ -167,7 +167,7 @@ def test_sharing_counters_count_served_rows_not_vllms_dummy_batches(vllm_config)
     (and an idle data-parallel rank steps on one): rows on the null block 0, seq_len 1 or a
     made-up context. Those are no served decode, so /metrics' counters must not move; a served
     step then adds exactly its rows, their lengths and the chunks they share."""
-    from vllm_chunkattn.plugin.sharing_stats import SHARING_STATS
+    from vllm_chunkattn.plugin.stats import SHARING_STATS
     counters = ("decode_steps", "decode_rows", "kv_tokens", "shared_kv_tokens")
     builder = make_builder(vllm_config)
     before = SHARING_STATS.as_dict()
@@ -193,7 +193,7 @@ def test_sharing_counters_count_served_rows_not_vllms_dummy_batches(vllm_config)
 
 
 def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm_config):
-    """#9 CUDA graphs: the builder declares uniform single-token decode graphs. A batch size it
+    """CUDA graphs: the builder declares uniform single-token decode graphs. A batch size it
     was captured at (build_for_cudagraph_capture, on vLLM's dummy batch: seq_len 1, null
     blocks) then gets capacity-mode plans: every tensor the captured kernel call points at (plan,
     workspace, vLLM's block table and seq_lens) is the same in every later step, whatever the
@@ -201,8 +201,8 @@ def test_captured_decode_sizes_replay_any_tree_from_buffers_that_never_move(vllm
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from vllm_chunkattn.ops.reference import dense_decode_oracle, tpp_decode_reference
-    from vllm_chunkattn.plugin.sharing_stats import SHARING_STATS
-    from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+    from vllm_chunkattn.plugin.stats import SHARING_STATS
+    from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
     assert (backend.ChunkAttnBackend.get_builder_cls()._cudagraph_support
             == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     n, width = 12, 16
@@ -294,12 +294,12 @@ def _rows(plan, rows):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM for CUDA")
 def test_decode_build_and_forward_never_sync_on_cuda():
-    """#9 goal: a decode step (build + every layer's forward) makes no host sync on CUDA."""
+    """A decode step (build + every layer's forward) makes no host sync on CUDA."""
     from vllm.v1.worker.block_table import BlockTable
 
     from vllm_chunkattn.ops.reference import tpp_decode_reference
     from vllm_chunkattn.plugin import host_block_table
-    from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+    from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="bfloat16"),
                         cache_config=CacheConfig(block_size=BS))
     host_block_table.install()
@@ -344,15 +344,15 @@ def test_decode_build_and_forward_never_sync_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM for CUDA")
 def test_full_decode_graph_replays_each_steps_tree_through_the_builder():
-    """#9 CUDA graphs as vLLM's FULL decode graphs run them: the metadata of
+    """CUDA graphs as vLLM's FULL decode graphs run them: the metadata of
     build_for_cudagraph_capture (vLLM's dummy batch) and one layer's forward are captured once;
     each later step build()s its own tree into the same buffers and the graph is replayed."""
     from vllm.v1.worker.block_table import BlockTable
 
     from vllm_chunkattn.ops.reference import tpp_decode_reference
     from vllm_chunkattn.plugin import host_block_table
-    from vllm_chunkattn.testing import (TREE_SPECS, alloc_kv_cache, caterpillar_batch,
-                                        random_tree_batch)
+    from vllm_chunkattn.bench.tree_batches import TREE_SPECS, caterpillar_batch, random_tree_batch
+    from vllm_chunkattn.kv_layout import alloc_kv_cache
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="bfloat16"),
                         cache_config=CacheConfig(block_size=BS))
     host_block_table.install()

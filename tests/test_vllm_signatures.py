@@ -28,6 +28,9 @@ from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
 
 pytestmark = pytest.mark.vllm
 PLUGIN = Path(scheduler.__file__).parent
+# The bench modules that drive vLLM's managers and engine the way the plugin does.
+BENCH_VLLM_DRIVERS = [PLUGIN.parent / "bench" / "kv_manager_sim.py",
+                      PLUGIN.parent / "bench" / "sched_admission.py"]
 VERSIONS = ["installed", "0.33.0"]
 # Our class -> (vLLM file, vLLM base class) whose methods it overrides.
 OVERRIDES = {
@@ -173,7 +176,7 @@ def test_what_the_scheduler_reads_and_we_override_still_exists(vllm_root):
 
 def test_every_vllm_name_the_plugin_imports_exists(vllm_root):
     missing = []
-    for path in sorted(PLUGIN.glob("*.py")):
+    for path in [*sorted(PLUGIN.glob("*.py")), *BENCH_VLLM_DRIVERS]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.module
                     and node.module.split(".")[0] == "vllm"):
@@ -244,8 +247,9 @@ def test_the_platform_methods_the_plugin_wraps_keep_their_signatures(vllm_root):
 
 
 def test_the_config_fields_the_start_up_refusals_read_exist(vllm_root):
-    """plugin/exactness.py and scheduler.config_refusals read these where the config is built;
-    exactness mirrors vLLM's rule that CacheConfig.sliding_window is set only when every layer
+    """plugin/support.py (config_refusals, tree_config_refusals) reads these where the config is
+    built;
+    it mirrors vLLM's rule that CacheConfig.sliding_window is set only when every layer
     slides (EngineArgs.create_engine_config), so that rule is checked too."""
     def attributes(relative, cls):
         return self_attributes(find_class(parse(vllm_root, relative), cls))

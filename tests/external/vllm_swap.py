@@ -57,9 +57,9 @@ def _install_swap() -> None:
 
     from vllm_chunkattn.plugin import register
     from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
-    from vllm_chunkattn.plugin.scheduler import (ChunkAttnAsyncScheduler, ChunkAttnScheduler,
-                                                 _refuse_unsupported, kv_cache_config_refusals,
-                                                 tree_refusal)
+    from vllm_chunkattn.plugin.scheduler import ChunkAttnAsyncScheduler, ChunkAttnScheduler
+    from vllm_chunkattn.plugin.support import (kv_cache_config_refusals,
+                                               refuse_tree_unsupported, tree_refusal)
 
     register()                           # CUSTOM -> ChunkAttnBackend, as the entry point does
     from vllm_chunkattn.plugin.backend import ChunkAttnMetadataBuilder
@@ -94,7 +94,7 @@ def _install_swap() -> None:
 
     def refusing_init(self, vllm_config, kv_cache_config, *args, **kwargs):
         # Any scheduler class (AsyncScheduler too): what the plugin refuses at start-up.
-        _refuse_unsupported(vllm_config, kv_cache_config)
+        refuse_tree_unsupported(vllm_config, kv_cache_config)
         original_init(self, vllm_config, kv_cache_config, *args, **kwargs)
 
     stock_scheduler.__init__ = refusing_init

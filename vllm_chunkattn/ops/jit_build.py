@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import envs
 from .cuda_fit import MIN_CAPABILITY, NEEDS_CAPABILITY
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,7 @@ def build_dir(csrc_dir: Path, arch: str) -> Path:
     torch, CUDA, the arch (and extra flags) or any source/header changes, so a stale library is
     never loaded and two torch versions on one machine (the device image's and the vLLM
     bundle's) keep their own builds instead of rebuilding each other's."""
-    root = Path(os.environ.get("CHUNKATTN_BUILD_DIR")
-                or Path.home() / ".cache" / "vllm_chunkattn" / "jit")
+    root = envs.BUILD_DIR
     h = hashlib.sha256(f"{torch.__version__}|{torch.version.cuda}|{arch}".encode())
     for f in _source_tree(csrc_dir):
         h.update(f.relative_to(csrc_dir).as_posix().encode())
@@ -136,8 +136,8 @@ def load_jit(csrc_dir, verbose: bool | None = None) -> None:
     fix_cuda_home(cpp_extension)
     csrc_dir = Path(csrc_dir)
     archs = arch_list()
-    extra = os.environ.get("CHUNKATTN_NVCC_FLAGS", "").split()   # e.g. -Xptxas=-v (device script)
-    verbose = os.environ.get("CHUNKATTN_JIT_VERBOSE") == "1" if verbose is None else verbose
+    extra = envs.NVCC_FLAGS.split()   # e.g. -Xptxas=-v (benchmarks/gpu/run_on_device.sh)
+    verbose = envs.JIT_VERBOSE if verbose is None else verbose
     _load(csrc_dir, "vllm_chunkattn_jit", _sources(csrc_dir), " ".join([";".join(archs), *extra]),
           verbose,
           extra_cflags=["-O3", "-fopenmp"],

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import envs
 from ..plan.tpp_plan import TppPlan
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def _load() -> bool:
         return True
     except ImportError:
         pass
-    if torch.cuda.is_available() and _CSRC.is_dir() and os.environ.get("CHUNKATTN_JIT", "1") == "1":
+    if torch.cuda.is_available() and _CSRC.is_dir() and envs.JIT:
         from .jit_build import load_jit
         load_jit(_CSRC)
         _register_fake()

@@ -2,12 +2,12 @@
 (the paper's lazy context copy), and sent to the kernel's device without a host sync."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .. import envs
 from .build import SortedRows, _build, _host, first_blocks_shared
 from .capacity import pad_plan
 from .staging import PlanStaging
@@ -64,7 +64,7 @@ class PlanCache:
                  check_on_host: bool | None = None, capacity=None):
         """capacity: a capacity.PlanCapacity for CUDA graphs: every plan is pruned to fit
         it and padded to it, in one device buffer that never moves (None: exact plans)."""
-        self.enabled = os.environ.get("CHUNKATTN_PLAN_CACHE", "1") != "0"
+        self.enabled = envs.PLAN_CACHE
         self.block_size = block_size
         self.device = torch.device(device)
         self.check_on_host = self.device.type != "cpu" if check_on_host is None else check_on_host

@@ -7,7 +7,8 @@ once. It registers the backend class under vLLM's CUSTOM slot; without the flag 
 from __future__ import annotations
 
 import logging
-import os
+
+from .. import envs
 
 BACKEND_PATH = "vllm_chunkattn.plugin.backend.ChunkAttnBackend"
 SCHEDULER_PATH = "vllm_chunkattn.plugin.scheduler.ChunkAttnScheduler"
@@ -58,7 +59,7 @@ def _honour_custom_backend_on_cpu() -> None:
         reasons = backend_cls.validate_configuration(
             device_capability=None, **attn_selector_config._asdict())
         if reasons:
-            from .exactness import refusal
+            from .support import refusal
             raise refusal(reasons)
         return AttentionBackendEnum.CUSTOM.get_path()
 
@@ -72,7 +73,7 @@ def _use_tree_scheduler_with_custom_backend() -> None:
     scheduler options (VllmConfig.__post_init__ picks its diffusion scheduler right after it);
     it runs in the process that builds the config, which then ships it to EngineCore. Async
     scheduling stays as vLLM set it (on by default on GPU): the tree's async scheduler class.
-    That process is also the API server, whose /metrics then shows ours (plugin/prometheus.py).
+    That process is also the API server, whose /metrics then shows ours (plugin/stats.py).
     What the config alone shows we cannot serve is refused here, before any engine starts."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -87,21 +88,20 @@ def _use_tree_scheduler_with_custom_backend() -> None:
         attention = getattr(vllm_config, "attention_config", None)
         if attention is None or attention.backend != AttentionBackendEnum.CUSTOM:
             return
-        from . import exactness
-        if reasons := exactness.config_refusals(vllm_config):
-            raise exactness.refusal(reasons)
-        from .prometheus import expose
+        from . import support
+        if reasons := support.config_refusals(vllm_config):
+            raise support.refusal(reasons)
+        from .stats import expose
         expose()
-        if os.environ.get("CHUNKATTN_TREE_KV_MANAGER", "1") == "0":   # A/B: vLLM's manager
+        if not envs.TREE_KV_MANAGER:   # A/B: vLLM's manager
             return
         sched = vllm_config.scheduler_config
         if sched.scheduler_cls not in (None, SCHEDULER_PATH, ASYNC_SCHEDULER_PATH):
             logger.warning("--scheduler-cls %s given: the chunk prefix tree is not the KV cache "
                            "manager (vLLM's block-hash prefix cache is)", sched.scheduler_cls)
             return
-        from .scheduler import config_refusals, tree_refusal
-        if reasons := config_refusals(vllm_config):
-            raise tree_refusal(reasons)
+        if reasons := support.tree_config_refusals(vllm_config):
+            raise support.tree_refusal(reasons)
         sched.scheduler_cls = ASYNC_SCHEDULER_PATH if sched.async_scheduling else SCHEDULER_PATH
 
     check_and_update_config._chunkattn_wrapped = True

@@ -7,7 +7,6 @@ keeps that backend's layout and our kernels read it in place.
 """
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 from typing import ClassVar
@@ -23,16 +22,16 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheLayout
 from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
-from .. import __version__
+from .. import __version__, envs
 from ..kv_layout import kv_cache_views
-from ..ops import CUDA_BLOCK_SIZES, TppLaunch, TppWorkspace, cuda_fit, kernel_name
-from ..plan import TppPlan
-from ..plan_cache import PlanCache
-from ..plan_capacity import PlanCapacity
+from ..decode import TppLaunch
+from ..ops import kernel_name
+from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace
 from . import logger
-from .exactness import KV_CACHE_DTYPES, layer_refusals, refusal
+from .support import (CUDA_BLOCK_SIZES, HEAD_SIZES, KV_CACHE_DTYPES, cuda_refusal,
+                      layer_refusals, refusal)
 from .host_block_table import host_block_table, host_seq_lens
-from .sharing_stats import SHARING_STATS
+from .stats import SHARING_STATS
 
 def _platform_base():
     """vLLM's own backend for this platform, and the KV layout it writes."""
@@ -67,7 +66,7 @@ class ChunkAttnBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [64, 128, 256]
+        return list(HEAD_SIZES)
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
@@ -78,7 +77,7 @@ class ChunkAttnBackend(AttentionBackend):
         if device_capability is None or current_platform.is_cpu():
             return None
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return cuda_fit.refusal((device_capability.major, device_capability.minor), head_size,
+        return cuda_refusal((device_capability.major, device_capability.minor), head_size,
                                 getattr(props, "shared_memory_per_block_optin", 0))
 
     @classmethod
@@ -119,7 +118,7 @@ _IMPLS: weakref.WeakSet = weakref.WeakSet()
 class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
     # vLLM's FULL decode graphs include TPP: a uniform single-token decode batch of a captured
     # size runs on a plan padded to that size's capacities, in device buffers that never move
-    # (plan_capacity.py), so the graph replays whatever tree the step holds. Batches with
+    # (plan/capacity.py), so the graph replays whatever tree the step holds. Batches with
     # prefill rows run outside graphs (PIECEWISE), on exact plans.
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
@@ -162,7 +161,7 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         if not _announced:
             kernel = kernel_name(device)
             # The PyTorch reference decodes 10-100x slower: serve with it only when asked to.
-            allow_reference = os.environ.get("CHUNKATTN_ALLOW_REFERENCE") == "1"
+            allow_reference = envs.ALLOW_REFERENCE
             if kernel == "torch-reference" and not allow_reference:
                 raise RuntimeError(
                     f"vllm-chunkattn: no native TPP decode kernel for device {device} (the "

@@ -21,11 +21,11 @@ step, raising on a difference (tests/test_v2_model_runner.py runs V2 that way).
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 
 import numpy as np
 
+from .. import envs
 from . import logger
 
 _V1: dict[int, weakref.ref] = {}                  # .gpu data_ptr -> BlockTable
@@ -58,7 +58,7 @@ def host_block_table(cm, num_rows: int, block_size: int) -> np.ndarray | None:
     table = bt[:num_rows].numpy()                  # CPU runner: the "device" table is the host's
     if found is None:
         return table
-    if os.environ.get("CHUNKATTN_CHECK_HOST_ROWS") == "1":
+    if envs.CHECK_HOST_ROWS:
         live = -(-cm.seq_lens[:num_rows].numpy() // block_size)
         _check(found, table, np.arange(table.shape[1])[None, :] < live[:, None])
     return found[1]
@@ -70,7 +70,7 @@ def host_seq_lens(cm, num_rows: int, upper_bound_exact: bool):
     bound = cm.seq_lens_cpu_upper_bound if upper_bound_exact else None
     if cm.seq_lens.device.type != "cpu":
         return bound
-    if bound is not None and os.environ.get("CHUNKATTN_CHECK_HOST_ROWS") == "1":
+    if bound is not None and envs.CHECK_HOST_ROWS:
         truth = cm.seq_lens[:num_rows].numpy()
         _check(("seq_lens_cpu_upper_bound", bound[:num_rows].numpy()), truth,
                np.ones(truth.shape, bool))
