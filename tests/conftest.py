@@ -44,8 +44,8 @@ def emu():
 @pytest.fixture(autouse=True)
 def _cuda_errors_stay_with_their_test(request):
     """A GPU test ends with a device sync, so an asynchronous CUDA error (an illegal address in a
-    kernel it launched) fails that test's teardown, not the next test's first allocation. On the
-    first H200 run, 48 tests failed at torch.zeros in make_batch for another test's kernel."""
+    kernel it launched) fails that test's teardown, not the next test's first allocation
+    (without it, every later test fails at torch.zeros in make_batch for that one kernel)."""
     yield
     if request.node.get_closest_marker("gpu") is None:
         return

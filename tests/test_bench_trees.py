@@ -25,7 +25,7 @@ from vllm_chunkattn.bench.roofline import (chunk_first_flops, chunk_first_rows,
 from vllm_chunkattn.ops import dense_decode_oracle
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import build_plan, empty_plan
-from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 
 
 def table_of(point, pool_blocks=None, seed=0):
@@ -495,7 +495,7 @@ def test_tails_split_at_the_plans_shared_blocks(spec):
     # ours_with_fi_tails' two halves: our op with every row cut to its shared nodes (the CPU op,
     # LSE natural), the reference over page_lists' private tails; merged they are the decode.
     from vllm_chunkattn.bench.flashinfer_baselines import page_lists
-    from vllm_chunkattn.ops import tpp_decode
+    from vllm_chunkattn.decode import tpp_decode
     b = random_tree_batch(3, **TREE_SPECS[spec])
     bs, n = b.block_size, b.query.shape[0]
     plan = build_plan(b.block_table, b.seq_lens, bs)
@@ -578,7 +578,7 @@ def test_flashinfer_graph_contenders_and_a_capture_that_fails(monkeypatch):
 def test_a_captured_graph_keeps_what_its_replays_read(monkeypatch):
     """A CUDA graph reads its inputs by address at every replay: cuda_graph's replay must hold
     the captured callable (its TppLaunch's plan and workspace), or those blocks go to later
-    tensors. The first H200 run replayed freed plans: wrong outputs, then an illegal address.
+    tensors (freed plans replayed: wrong outputs, then an illegal address).
     torch.cuda's graph API is stood in for, so this runs without a GPU."""
     import contextlib
     import gc

@@ -16,8 +16,8 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES, check_plan, jit_build
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.plan import TppPlan, build_plan
-from vllm_chunkattn.plan_cache import PlanCache
-from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.plan.cache import PlanCache
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_OPS = native_ops(torch.device("cpu"))
@@ -264,10 +264,7 @@ def test_host_check_raises_what_the_cpu_op_raises(corruption):
     num_seqs, num_heads, head_size = b.query.shape
     slots = max(plan.num_partials, 1)
     with pytest.raises(RuntimeError) as cpu_err:
-        CPU_OPS.tpp_decode(b.query, b.key_cache, b.value_cache, bt, sl, plan.node_block_indptr,
-                           plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids,
-                           plan.seq_partial_indptr, plan.seq_partial_ids,
-                           plan.seq_num_shared_blocks, torch.zeros(slots, num_heads, head_size),
+        CPU_OPS.tpp_decode(b.query, b.key_cache, b.value_cache, bt, sl, *plan.tensors(), torch.zeros(slots, num_heads, head_size),
                            torch.zeros(slots, num_heads), torch.zeros(slots, num_heads), b.scale,
                            torch.empty_like(b.query), None)
     with pytest.raises(RuntimeError) as host_err:

@@ -14,7 +14,7 @@ import torch
 
 from vllm_chunkattn.bench.kernel_trees import PAPER, single_prefix, tree_block_table
 from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.testing import chunk_ctas_with_rows, tpp_work
+from vllm_chunkattn.bench.cuda_work import chunk_ctas_with_rows, tpp_work
 
 H100 = 132 * 2          # resident partial-kernel CTAs of an H100 at head 128 (2 per SM)
 MAX_ROWS, SEQ_HEADS = 64, 16
@@ -102,11 +102,11 @@ def test_a_launch_of_a_wave_already_is_not_split(emu):
 
 @pytest.mark.parametrize("resident", [H100, 132 * 3, 108 * 2])
 def test_the_paper_anchor_fills_its_waves(emu, resident):
-    # ChunkAttention's Table 3 point n_p = n_s = 4096 (issue #9's roofline goal): one node of
+    # ChunkAttention's Table 3 point n_p = n_s = 4096 (the roofline goal's point): one node of
     # 4096 tokens under 32 rows, 32/32 heads, so 32 chunk CTAs a split. Splitting it into
-    # ceil(264 / 32) = 9 (the earlier rule) launched 288 CTAs on an H100: 1.09 waves, the last
-    # 24 CTAs alone on the GPU for about a wave's time. The choice must stay within one wave
-    # here and fill it to >= 80 %.
+    # ceil(264 / 32) = 9 (resident CTAs over CTAs a split) would launch 288 CTAs on an H100:
+    # 1.09 waves, the last 24 CTAs alone on the GPU for about a wave's time. The choice must
+    # stay within one wave here and fill it to >= 80 %.
     point = single_prefix("paper", "anchor", PAPER, rows=32, shared=4096, private=1)
     table, lens = tree_block_table(point, point.blocks_needed() + 1, torch.Generator().manual_seed(0))
     plan = build_plan(table, lens, PAPER.block_size)

@@ -14,12 +14,12 @@ import torch
 
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, TREE_SPECS, assert_matches_reference,
-                                    named_tree,
-                                    caterpillar_batch, pad_batch, poison_unread_kv,
-                                    random_tree_batch, split_spare_slots, tpp_work,
-                                    value_cache_elsewhere)
+from vllm_chunkattn.plan.capacity import PlanCapacity, pad_plan
+from vllm_chunkattn.bench.cuda_work import split_spare_slots, tpp_work
+from vllm_chunkattn.bench.tree_batches import (COMPACT_STAGE_CASES, TREE_SPECS,
+                                               assert_matches_reference, caterpillar_batch,
+                                               named_tree, pad_batch, poison_unread_kv,
+                                               random_tree_batch, value_cache_elsewhere)
 
 H100_RESIDENT_CTAS = 132 * 2   # an H100's SMs x partial-kernel CTAs per SM at head 128
 HEADS = [(32, 32), (32, 8), (8, 1), (9, 3)]
@@ -40,9 +40,7 @@ def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, resident_ctas=H100_
     out = torch.full_like(b.query, float("nan"))
     lse = torch.full((num_seqs, num_heads), float("nan"))
     emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
-                   plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
-                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse, resident_ctas, seed, at_issue)
+                   *plan.tensors(), *ws, b.scale, out, lse, resident_ctas, seed, at_issue)
     return out, lse
 
 
@@ -209,9 +207,9 @@ def test_shared_nodes_alone(emu, spec):
 @pytest.mark.parametrize("shared_blocks,resident", [(40, 32), (80, 6)])
 def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     # A CUDA graph replays plans padded to its batch size's capacities: rows - 1 nodes, most of
-    # them empty. Read as work, that padding made the host choose one chunk-first split (on the
-    # first H200 run a captured step was up to 4x slower than eager). The CTAs now choose from
-    # the real tree: the same splits, so the same slots written, as the exact plan's host choice.
+    # them empty. Read as work, that padding would make the host choose one chunk-first split
+    # (a captured step up to 4x slower than eager on an H200). So the CTAs choose from the real
+    # tree: the same splits, so the same slots written, as the exact plan's host choice.
     # resident_ctas is set so the padded shapes look like a full wave and the real tree does not
     # (at 6, the real tree's choice, 3 splits, is fewer than its node's tokens allow, 5).
     from vllm_chunkattn.bench.kernel import KvPool

@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from vllm_chunkattn.plugin.kv_cache_manager import ChunkTreeKVCacheManager
-from vllm_chunkattn.plugin.manager_sim import make_manager
+from vllm_chunkattn.bench.kv_manager_sim import make_manager
 
 pytestmark = pytest.mark.vllm
 BS = 16

@@ -13,7 +13,7 @@ from vllm_chunkattn.kv_layout import kv_cache_views
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import dense_decode_oracle, tpp_decode_reference
 from vllm_chunkattn.plan import build_plan, empty_plan
-from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 
 OPS = native_ops(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(OPS is None, reason="vllm_chunkattn._C not built "
@@ -33,9 +33,7 @@ def run_native(b, plan, out_dtype=torch.float32):
     out = torch.full(b.query.shape, float("nan"), dtype=out_dtype)
     lse = torch.full((num_seqs, num_heads), float("nan"))
     OPS.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
-                   plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
-                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+                   *plan.tensors(), *ws, b.scale, out, lse)
     return out, lse
 
 
@@ -213,8 +211,7 @@ def test_opcheck(spec, dtype):
     num_seqs, num_heads, head_size = b.query.shape
     slots = max(plan.num_partials, 1)
     args = (b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-            plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids,
-            plan.seq_partial_indptr, plan.seq_partial_ids, plan.seq_num_shared_blocks,
+            *plan.tensors(),
             torch.zeros(slots, num_heads, head_size), torch.zeros(slots, num_heads),
             torch.zeros(slots, num_heads), b.scale, torch.empty_like(b.query),
             torch.empty(num_seqs, num_heads))

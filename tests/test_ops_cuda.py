@@ -9,9 +9,11 @@ import torch
 from vllm_chunkattn.ops import CUDA_BLOCK_SIZES
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
-from vllm_chunkattn.testing import (COMPACT_STAGE_CASES, TC_TOL, TREE_SPECS, assert_matches_reference,
-                                    caterpillar_batch, named_tree, pad_batch, poison_unread_kv,
-                                    random_tree_batch, split_spare_slots, value_cache_elsewhere)
+from vllm_chunkattn.bench.cuda_work import split_spare_slots
+from vllm_chunkattn.bench.tree_batches import (COMPACT_STAGE_CASES, TC_TOL, TREE_SPECS,
+                                               assert_matches_reference, caterpillar_batch,
+                                               named_tree, pad_batch, poison_unread_kv,
+                                               random_tree_batch, value_cache_elsewhere)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,9 +51,7 @@ def run(ops, b, plan, spare_slots=0, out=None, lse=None):
     out = torch.full_like(b.query, float("nan")) if out is None else out
     lse = torch.full((num_seqs, num_heads), float("nan"), device="cuda") if lse is None else lse
     ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
-                   plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
-                   plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+                   *plan.tensors(), *ws, b.scale, out, lse)
     return out, lse
 
 
@@ -288,9 +288,7 @@ def test_cuda_graph_replay(ops):
 
     def step():
         ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                       plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr,
-                       plan.node_seq_ids, plan.seq_partial_indptr, plan.seq_partial_ids,
-                       plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+                       *plan.tensors(), *ws, b.scale, out, lse)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -313,9 +311,10 @@ def test_cuda_graph_capacity_mode(ops, monkeypatch, overlap):
     # replays it. Three trees, one deeper than the capacity (pruned), rows padded with seq_len 0.
     # Captured with the final launch overlapped (a programmatic edge in the graph, sm_90+) or not.
     monkeypatch.setenv("CHUNKATTN_OVERLAP_FINAL", overlap)
-    from vllm_chunkattn.ops import TppLaunch, TppWorkspace
-    from vllm_chunkattn.plan_cache import PlanCache
-    from vllm_chunkattn.plan_capacity import PlanCapacity
+    from vllm_chunkattn.decode import TppLaunch
+    from vllm_chunkattn.plan import TppWorkspace
+    from vllm_chunkattn.plan.cache import PlanCache
+    from vllm_chunkattn.plan.capacity import PlanCapacity
     kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16, device="cuda",
               fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2)
     batches = [random_tree_batch(8, max_seqs=12, **kw), random_tree_batch(9, max_seqs=10, **kw),
@@ -371,8 +370,7 @@ def test_opcheck(ops):
     plan = plan_of(b)
     num_seqs, num_heads, head_size = b.query.shape
     args = (b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-            plan.node_block_indptr, plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids,
-            plan.seq_partial_indptr, plan.seq_partial_ids, plan.seq_num_shared_blocks,
+            *plan.tensors(),
             *workspace(plan.num_partials, num_heads, head_size), b.scale,
             torch.empty_like(b.query), torch.empty(num_seqs, num_heads, device="cuda"))
     # Every opcheck util, as on CPU (test_ops_cpu.py): the fake impl that native_ops registers
@@ -431,7 +429,7 @@ def test_bad_shapes_fail_as_on_cpu(ops, error):
 
 def test_bad_plan_is_refused_on_the_host_before_the_copy():
     # The CUDA op reads no plan data (no sync); PlanCache checks the host plan for it.
-    from vllm_chunkattn.plan_cache import PlanCache
+    from vllm_chunkattn.plan.cache import PlanCache
     b = make_batch("system_prompts", seed=9, num_heads=8, num_kv_heads=2, dtype=torch.float16)
     bt, sl = b.block_table.cpu(), b.seq_lens.cpu()
     bt[0, (int(sl[0]) - 1) // b.block_size] = b.key_cache.shape[0]
@@ -448,9 +446,9 @@ class _DecodeSteps:
     padded to its capacities, a workspace without split spares)."""
 
     def __init__(self, capacity: bool, seeds: tuple[int, int]):
-        from vllm_chunkattn.ops import TppWorkspace
-        from vllm_chunkattn.plan_cache import PlanCache
-        from vllm_chunkattn.plan_capacity import PlanCapacity
+        from vllm_chunkattn.plan import TppWorkspace
+        from vllm_chunkattn.plan.cache import PlanCache
+        from vllm_chunkattn.plan.capacity import PlanCapacity
         kw = dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
         self.batches = [make_batch("system_prompts", seed=seeds[0], **kw),
                         make_batch("deep_tree", seed=seeds[1], **kw)]
@@ -466,7 +464,7 @@ class _DecodeSteps:
         self.outs = [torch.full_like(b.query, float("nan")) for b in self.batches]
 
     def step(self, i: int) -> None:
-        from vllm_chunkattn.ops import TppLaunch
+        from vllm_chunkattn.decode import TppLaunch
         b = self.batches[i]
         plan = self.cache.get(*self.host[i], num_blocks=b.key_cache.shape[0])
         launch = TppLaunch(plan, b.block_table, b.seq_lens, 16, 128, "cuda", self.ws)
@@ -482,7 +480,7 @@ class _DecodeSteps:
 
 @pytest.mark.parametrize("capacity", [False, True])
 def test_decode_steps_make_no_host_sync(ops, capacity):
-    # #9: a decode step's host and device work (_DecodeSteps) under sync debug "error".
+    # A decode step's host and device work (_DecodeSteps) under sync debug "error".
     # Alternating two trees rebuilds every step, so both staging slots are reused.
     steps = _DecodeSteps(capacity, seeds=(10, 11))
     torch.cuda.synchronize()
@@ -510,11 +508,11 @@ def _sleep_cycles_per_ms() -> float:
 
 @pytest.mark.parametrize("capacity", [False, True])
 def test_a_decode_step_does_not_wait_for_the_gpu(ops, capacity):
-    """#9, the catch-all behind sync debug mode (which sees only torch's own sync helpers, not an
+    """The catch-all behind sync debug mode (which sees only torch's own sync helpers, not an
     Event.synchronize, a pinned allocation or a pageable copy): with the GPU busy for a second,
     NUM_SLOTS decode steps (each a rebuild: host plan, host check, staged upload, then three
     layers) are queued and the stream is still busy afterwards, so the host never waited."""
-    from vllm_chunkattn.plan_staging import PlanStaging
+    from vllm_chunkattn.plan.staging import PlanStaging
     steps = _DecodeSteps(capacity, seeds=(12, 13))
     for i in (0, 1, 0, 1):                           # warm: staging, workspace, kernel attributes
         steps.step(i)

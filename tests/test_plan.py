@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from vllm_chunkattn.plan import build_plan, lexicographic_order
-from vllm_chunkattn.plan_cache import PlanCache
-from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.plan.cache import PlanCache
+from vllm_chunkattn.plan.capacity import PlanCapacity, pad_plan
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 
 
 def decompose(plan, block_table, seq_lens, block_size):
@@ -189,7 +189,7 @@ def test_plan_cache_with_nothing_shared_keys_on_the_row_count():
 def test_staging_packs_plans_into_one_persistent_buffer():
     # plan_staging.PlanStaging, on CPU (no pinning, no events): every upload reproduces the plan
     # as views of one buffer, which grows when a plan outgrows it and is otherwise reused.
-    from vllm_chunkattn.plan_staging import FIELDS, PlanStaging
+    from vllm_chunkattn.plan import PlanStaging, TppPlan
     staging = PlanStaging("cpu", capacity=8)
     for seed, spec in enumerate(["system_prompts", "deep_tree", "no_sharing", "deep_tree"]):
         b = random_tree_batch(seed, **TREE_SPECS[spec])
@@ -197,7 +197,7 @@ def test_staging_packs_plans_into_one_persistent_buffer():
         up = staging.upload(plan)
         assert (up.num_seqs, up.num_nodes, up.num_partials) == (
             plan.num_seqs, plan.num_nodes, plan.num_partials)
-        for f in FIELDS:
+        for f in TppPlan.TENSORS:
             assert torch.equal(getattr(up, f), getattr(plan, f)), f
             assert getattr(up, f).untyped_storage().data_ptr() == \
                 staging._dev.untyped_storage().data_ptr()

@@ -6,10 +6,11 @@ import torch
 from test_plan import decompose
 from vllm_chunkattn.ops.reference import dense_decode_oracle, tpp_decode_reference
 from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.plan_cache import PlanCache
-from vllm_chunkattn.plan_capacity import PARTIALS_PER_ROW, PlanCapacity, pad_plan
-from vllm_chunkattn.plan_staging import FIELDS
-from vllm_chunkattn.testing import TREE_SPECS, caterpillar_batch, pad_batch, random_tree_batch
+from vllm_chunkattn.plan.cache import PlanCache
+from vllm_chunkattn.plan.capacity import PARTIALS_PER_ROW, PlanCapacity, pad_plan
+from vllm_chunkattn.plan import TppPlan
+from vllm_chunkattn.bench.tree_batches import (TREE_SPECS, caterpillar_batch, pad_batch,
+                                               random_tree_batch)
 
 BS = 16
 
@@ -90,7 +91,7 @@ def test_capacity_plans_reuse_one_buffer_for_every_tree():
         plan = cache.get(b.block_table, b.seq_lens)
         assert (plan.num_seqs, plan.num_nodes, plan.num_partials) == (12, 11, cap.num_partials)
         assert plan.node_block_ids.numel() == cap.num_node_blocks
-        ptrs = [getattr(plan, f).data_ptr() for f in FIELDS]
+        ptrs = [getattr(plan, f).data_ptr() for f in TppPlan.TENSORS]
         assert pointers is None or ptrs == pointers
         pointers = ptrs
         assert_exact(b, plan)

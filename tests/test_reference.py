@@ -8,7 +8,8 @@ import torch
 from vllm_chunkattn.ops import dense_decode_oracle, tpp_decode_reference
 from vllm_chunkattn.ops.reference import empty_state, finish_state, merge_states
 from vllm_chunkattn.plan import build_plan, empty_plan
-from vllm_chunkattn.testing import KV_LAYOUTS, TREE_SPECS, random_tree_batch
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.kv_layout import KV_LAYOUTS
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

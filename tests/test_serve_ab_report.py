@@ -1,6 +1,6 @@
 """The GPU A/B report (bench/serve_ab_report.py) from files shaped as benchmarks/gpu/serve_ab.sh
 leaves them: ABBA rounds combined by their median, per-sequence TPOT for n = 8, peak KV tokens
-from /metrics samples x the server's KV capacity, and the issue's goals judged. Every expected
+from /metrics samples x the server's KV capacity, and the GPU goals judged. Every expected
 number below is worked out by hand from the inputs."""
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ def _add(t: tarfile.TarFile, name: str, text: str) -> None:
     t.addfile(info, io.BytesIO(data))
 
 
-def _call(root: Path, system: str, rnd: int) -> Path:
-    """One device call's files: results_<tag>.tar.gz (bench JSONs, kv.tsv, ...) and the log."""
-    call = root / f"call_{system}_{rnd}"
-    call.mkdir()
+def _run_files(root: Path, system: str, rnd: int) -> Path:
+    """One serve_ab.sh run's files: results_<tag>.tar.gz (bench JSONs, kv.tsv, ...) and the log."""
+    files = root / f"run_{system}_{rnd}"
+    files.mkdir()
     tag = f"{system}-r{rnd}"
     kv = []
-    with tarfile.open(call / f"results_{tag}.tar.gz", "w:gz") as t:
+    with tarfile.open(files / f"results_{tag}.tar.gz", "w:gz") as t:
         for i, (name, (tok_s, usage, failed)) in enumerate(RUNS[(system, rnd)].items()):
             n = 8 if name == "n8x1k" else 1
             # two requests: 2.0 s and 3.0 s end to end, first token after 0.5 s, 256 tokens each
@@ -92,10 +92,10 @@ def _call(root: Path, system: str, rnd: int) -> Path:
         _add(t, "./gpu.txt", "NVIDIA H100 80GB HBM3, 580.159.04\n")
         _add(t, "./server_cmd.txt", f"vllm serve /tmp/models/llama-3-8b --port 4242 --dtype bfloat16 ({tag})")
     kernel = "TPP decode kernel=native-cuda, chunk size=16 tokens\n" if system == "custom" else ""
-    (call / f"server_{tag}.log").write_text(
+    (files / f"server_{tag}.log").write_text(
         f"INFO GPU KV cache size: {CAPACITY:,} tokens\n{kernel}"
         "Capturing CUDA graphs (decode, FULL): 100%\n" + (_step_lines(system, rnd) if rnd == 1 else ""))
-    return call
+    return files
 
 
 def _step_lines(system: str, rnd: int) -> str:
@@ -118,9 +118,9 @@ def _step_lines(system: str, rnd: int) -> str:
 
 @pytest.fixture
 def report(tmp_path):
-    calls = [_call(tmp_path, s, r) for s, r in RUNS]
+    runs = [_run_files(tmp_path, s, r) for s, r in RUNS]
     out = tmp_path / "out"
-    assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
+    assert serve_ab_report.main([*map(str, runs), "--tag", "gpu_test", "--out", str(out)]) == 0
     with open(out / "ab_gpu_test_rounds.csv") as f:
         rounds = list(csv.DictReader(f))
     with open(out / "ab_gpu_test.csv") as f:
@@ -151,7 +151,7 @@ def test_tpot_is_per_sequence_and_kv_peaks_scale_by_capacity(report):
 
 def test_kv_peaks_leave_out_samples_cut_short():
     # serve_ab.sh's sampler is killed at the end of a run (its last line may stop mid-write);
-    # a 3-field line made the per-call summary crash, and the call lost its table (CI, 2026-11-26).
+    # a 3-field line must not crash the per-run summary, which would lose the run's table.
     tsv = ("1.00 random vllm:kv_cache_usage_perc 0.25\n"
            "1.25 vllm:kv_cache_usage_perc 0.90\n"
            "1.50 random vllm:kv_cache_usage_perc 0.40\n"
@@ -173,7 +173,7 @@ def test_goals_and_setup_in_the_markdown(report):
     assert "NVIDIA H100 80GB HBM3" in md and "CUSTOM native kernel: native-cuda" in md
     assert "decode, FULL" in md and "stock 2, custom 2" in md
     assert "vllm serve /tmp/models/llama-3-8b --dtype bfloat16 (stock-r1)" in md
-    assert "sampled every 0.25 s" in md and "budget" not in md
+    assert "sampled every 0.25 s" in md and "time limit" not in md
     assert "- model: `/tmp/models/llama-3-8b`" in md
 
 
@@ -184,11 +184,11 @@ def test_no_results_is_a_clear_error(tmp_path, capsys):
 
 def test_the_device_summary_has_the_reports_rows(tmp_path):
     """serve_ab.sh prints one run's table on the device through the same rows as the report."""
-    call = _call(tmp_path, "stock", 1)
+    files = _run_files(tmp_path, "stock", 1)
     run = tmp_path / "run"
-    with tarfile.open(call / "results_stock-r1.tar.gz") as t:
+    with tarfile.open(files / "results_stock-r1.tar.gz") as t:
         t.extractall(run, filter="data")
-    md = serve_ab_report.summary(run, call / "server_stock-r1.log", "stock-r1")
+    md = serve_ab_report.summary(run, files / "server_stock-r1.log", "stock-r1")
     lines = md.splitlines()
     assert lines[0].startswith("# stock-r1:") and len(lines) == 4 + 5
     # random: 1000 tok/s, peak KV 0.50; n8x1k TPOT per sequence: (1.5 + 2.5) / 2 / 255 s
@@ -212,16 +212,16 @@ def test_share_of_decode_kv_reads_from_shared_chunks_per_workload(report):
     assert serve_metrics.shared_kv_read_pct(cut) != serve_metrics.shared_kv_read_pct(cut)  # no after
 
 
-def test_committed_calls_with_gzipped_server_logs_give_the_same_report(tmp_path, report):
+def test_committed_runs_with_gzipped_server_logs_give_the_same_report(tmp_path, report):
     """Results are committed with their server logs gzipped (benchmarks/results/gpu_h100_serve)."""
     root = tmp_path / "committed"
     root.mkdir()
-    calls = [_call(root, s, r) for s, r in RUNS]
-    for log in root.glob("call_*/server_*.log"):
+    runs = [_run_files(root, s, r) for s, r in RUNS]
+    for log in root.glob("run_*/server_*.log"):
         log.with_name(log.name + ".gz").write_bytes(gzip.compress(log.read_bytes()))
         log.unlink()
     out = tmp_path / "gz"
-    assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
+    assert serve_ab_report.main([*map(str, runs), "--tag", "gpu_test", "--out", str(out)]) == 0
     assert (out / "ab_gpu_test.md").read_text() == report[2]
 
 
@@ -230,13 +230,13 @@ def test_a_pairs_rounds_read_their_systems_one_log(tmp_path, report):
     committed); each round reads it as it would its own: the same report."""
     root = tmp_path / "pair"
     root.mkdir()
-    calls = [_call(root, s, r) for s, r in RUNS]
-    for log in root.glob("call_*/server_*-r*.log"):
+    runs = [_run_files(root, s, r) for s, r in RUNS]
+    for log in root.glob("run_*/server_*-r*.log"):
         system = log.name.split("_")[1].split("-")[0]
         log.with_name(f"server_{system}.log.gz").write_bytes(gzip.compress(log.read_bytes()))
         log.unlink()
     out = tmp_path / "out"
-    assert serve_ab_report.main([*map(str, calls), "--tag", "gpu_test", "--out", str(out)]) == 0
+    assert serve_ab_report.main([*map(str, runs), "--tag", "gpu_test", "--out", str(out)]) == 0
     assert (out / "ab_gpu_test.md").read_text() == report[2]
 
 
@@ -350,7 +350,7 @@ def test_the_kv_bound_section_sets_each_systems_sample_beside_it():
     assert serve_ab_report.kv_bound_section(rows, ["stock", "custom"]) == ""
 
 
-def test_a_pair_calls_two_rounds_on_one_server_each_read_their_own_runs(tmp_path):
+def test_a_pairs_two_rounds_on_one_server_each_read_their_own_runs(tmp_path):
     """`serve_ab.sh pair` runs rounds 3 and 4 of a system on one server: one log and one sampler
     for both, the runs named random-r3 and random-r4 in the marks and samples. Each round's rows
     come from its own run: round 3's steps peak at 20.0 % and its samples at 0.15, round 4's at

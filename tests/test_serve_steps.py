@@ -36,7 +36,7 @@ LOG = "\n".join([
     _step(0, 0, 1, 5.0, 9.9),                            # between workloads: nobody's
     _mark("random", "start"),
     _step(1, 2208, 0, 40.0, 3.0),
-    _step(0, 0, 1, 8.0, 3.1),                            # the call was cut here: no end mark
+    _step(0, 0, 1, 8.0, 3.1),                            # the run was cut here: no end mark
 ])
 
 

@@ -17,7 +17,7 @@ from vllm_runs import assert_native_kernel, tiny_model
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from vllm_chunkattn.serve import ServerError, ServerProcess  # noqa: E402
+from vllm_chunkattn.bench.server_process import ServerError, ServerProcess  # noqa: E402
 
 FLAGS = ["--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
          "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager"]
@@ -238,8 +238,8 @@ def test_mla_is_refused_by_backend_selection():
 
 
 def test_a_second_start_is_refused_and_orphans_nothing():
-    """`with ServerProcess(...) as s: s.start()` once started a second server and left the first
-    running after the block (seen in a benchmark script, 2026-11-26)."""
+    """`with ServerProcess(...) as s: s.start()` must not start a second server and leave the
+    first running after the block."""
     import subprocess
     import sys
 

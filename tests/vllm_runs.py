@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_chunkattn.serve import KERNEL_IN_USE
+from vllm_chunkattn.bench.server_process import KERNEL_IN_USE
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "tiny-llama"

@@ -156,8 +156,6 @@ class ChunkPrefixTree:
         self.num_query_tokens += len(token_ids)
         return num_shared_tokens
 
-    insert = add_sequence                   # SGLang's verb
-
     def append(self, seq_id: Hashable, token_ids: Sequence[int], num_pending: int = 0
                ) -> list[int] | None:
         """Append decoded tokens, then `num_pending` slots for tokens not sampled yet. Returns the

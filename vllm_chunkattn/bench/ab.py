@@ -35,7 +35,7 @@ from vllm_chunkattn.bench.server_client import (SERVED_NAME, MetricsSampler, ben
 from vllm_chunkattn.bench.ab_workloads import (Workload, full_workloads, smoke_workloads,
                                                write_tree_jsonl)
 from vllm_chunkattn.model_shapes import has_weights
-from vllm_chunkattn.serve import ServerError, ServerProcess
+from vllm_chunkattn.bench.server_process import ServerError, ServerProcess
 
 # Flags added to the common server flags per system. Stock keeps vLLM's default prefix caching
 # (it already shares prefix blocks in memory); stock-nopc is the memory baseline the paper's
@@ -127,8 +127,8 @@ def parse_args(argv):
                    help=f"comma list of {','.join(SYSTEMS)} (default: all; smoke: stock,custom)")
     p.add_argument("--workloads", default=None,
                    help="comma list of name substrings or groups (shared,prefixes,sweep,n,tree)")
-    p.add_argument("--budget-minutes", type=float, default=None,
-                   help="total wall-clock budget, split evenly over systems; runs that do not "
+    p.add_argument("--time-limit-minutes", type=float, default=None,
+                   help="total wall-clock limit, split evenly over systems; runs that do not "
                         "fit are skipped (default 28; smoke 8, a cap for slow CI)")
     p.add_argument("--run-cap-s", type=float, default=240, help="a run is stopped after this")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one)")
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     if not workloads:
         log("ab: no workload matches --workloads")
         return 2
-    budget_s = 60 * (a.budget_minutes or (8 if a.smoke else 28))
+    time_limit_s = 60 * (a.time_limit_minutes or (8 if a.smoke else 28))
     # Quiet the client's own vLLM logging, but not the servers' (their logs explain failures).
     server_log_level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
@@ -182,14 +182,14 @@ def main(argv=None) -> int:
              "commit": provenance.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "native": provenance.native_build(),
              "machine": f"{provenance.machine()}, load average {provenance.load_average()}",
-             "budget_min": budget_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke,
+             "time_limit_min": time_limit_s / 60, "slo_ms": a.slo_ms, "smoke": a.smoke,
              "workloads": [(w.name, w.num_prompts, w.request_rate, shlex.join(w.bench_args)
                             + (f" --dataset-path <{w.name}.jsonl: system {w.tree['system_len']}"
                                f" -> {w.tree['docs']} docs x {w.tree['doc_len']} -> "
                                f"{w.tree['questions']} questions each>" if w.tree else ""))
                            for w in workloads]}
-    log(f"ab: {len(systems)} systems x {len(workloads)} workloads on {model}; budget "
-        f"{budget_s / 60:.0f} min; logs in {tmp}")
+    log(f"ab: {len(systems)} systems x {len(workloads)} workloads on {model}; time limit "
+        f"{time_limit_s / 60:.0f} min; logs in {tmp}")
 
     # SIGTERM behaves like Ctrl-C: unwind through the `with` so the server is stopped.
     def _term(*_):
@@ -200,14 +200,14 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     try:
         for si, system in enumerate(systems):
-            # What is left of the budget, shared by the systems still to run.
-            left = t_start + budget_s - time.monotonic()
+            # What is left of the time limit, shared by the systems still to run.
+            left = t_start + time_limit_s - time.monotonic()
             sys_deadline = time.monotonic() + left / (len(systems) - si)
             mine = workloads
             if system == "stock-nopc" and len(systems) > 1:
                 mine = [w for w in workloads if w.group in MEMORY_GROUPS
                         and not any(k in w.name for k in MEMORY_SKIP)]
-                # The goal's row first, in case the budget runs out.
+                # The goal's row first, in case the time runs out.
                 mine.sort(key=lambda w: w.name != "shared2048")
             rc = max(rc, run_system(system, mine, model, common, a, tmp, sys_deadline,
                                     rows, t_start, server_log_level))
@@ -253,9 +253,9 @@ def run_system(system: str, workloads: list[Workload], model: str, common: list[
                     "request_rate": w.request_rate, "num_prompts": w.num_prompts}
             left = deadline - time.monotonic()
             if left < 10:
-                rows.append({**base, "status": "skipped (budget)"})
+                rows.append({**base, "status": "skipped (time limit)"})
                 log(f"[{_clock(t_start)}] {system} {i + 1}/{len(workloads)} {w.name}: skipped "
-                    f"(budget)")
+                    f"(time limit)")
                 continue
             if not healthy(server):               # stopped by the watchdog, or its engine died
                 log(f"[{_clock(t_start)}] {system}: server down after the last run; last log "

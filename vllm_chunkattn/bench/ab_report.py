@@ -81,8 +81,8 @@ def _markdown(rows, setup, tag, notes, plots) -> str:
              "on; stock-nopc = the same with `--no-enable-prefix-caching`; custom = "
              "`--attention-backend CUSTOM`)",
              f"- commit {setup['commit']}, {setup['date']}, {setup['machine']}; "
-             + (f"wall {setup.get('wall_min', 0):.1f} min (budget {setup['budget_min']:.0f} "
-                "min); " if setup.get("budget_min") else "")
+             + (f"wall {setup.get('wall_min', 0):.1f} min (time limit "
+                f"{setup['time_limit_min']:.0f} min); " if setup.get("time_limit_min") else "")
              + f"CUSTOM native kernel: {setup.get('native', '?')}",
              f"- client: {setup.get('client', CPU_CLIENT)}",
              "- normalised latency = mean over requests of (end-to-end latency incl. queueing / "

@@ -104,7 +104,7 @@ def write_tree_jsonl(w: Workload, path: Path, words: list[str], seed: int = 0) -
 
 def full_workloads() -> list[Workload]:
     """The committed CPU run (2 cores, tiny model): request counts scaled so three servers'
-    worth of runs fit in ~25 minutes; lengths are the issue's."""
+    worth of runs fit in ~25 minutes; lengths are the full-size ones the goals name."""
     ws = [shared_prefix(p, 32) for p in (0, 1024, 2048)]
     ws += [distinct_prefixes(p, k, 32) for p in (1024, 2048) for k in (4, 16)]
     # Sweep: shorter outputs (51-205, mean 128) and 24 prompts a point so 12 points per system

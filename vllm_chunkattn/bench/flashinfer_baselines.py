@@ -104,7 +104,8 @@ def ours_with_fi_tails(bt, plan, block_size: int):
     kernel would cost. FlashInfer's LSE is base 2 and ours natural: ours is scaled first."""
     import flashinfer
 
-    from ..ops import TppLaunch, TppWorkspace
+    from ..decode import TppLaunch
+    from ..plan import TppWorkspace
     num_seqs, num_heads, head_size = bt.query.shape
     dev = bt.query.device
     shared_blocks = plan.seq_num_shared_blocks.cpu()
@@ -143,7 +144,7 @@ def multi_level_cascade(bt, levels: CascadeLevels, block_size: int):
 
 def jit_module_specs(dtypes=(torch.float16, torch.bfloat16), head_size: int = 128) -> list:
     """The modules warm() builds, as FlashInfer's JitSpecs, for a build with no GPU
-    (benchmarks/gpu/flashinfer_aot.py): the cascade merge, then per dtype the FA2 batch-prefill
+    (benchmarks/gpu/offline/flashinfer_aot.py): the cascade merge, then per dtype the FA2 batch-prefill
     module (tensor-core decode) and the FA3 one (the cascade's levels on sm_90). The arguments are
     those the wrappers pass at plan time: int32 indptr, no positional encoding, no sliding window,
     no soft cap, no fp16 QK reduction."""

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_layout import alloc_kv_cache, kv_cache_views
-from ..ops import TppLaunch, TppWorkspace
+from ..decode import TppLaunch
+from ..plan import TppWorkspace
 from ..plan import build_plan, empty_plan
-from ..plan_cache import PlanCache
+from ..plan.cache import PlanCache
 from . import provenance
 from .timing import Timer
 
@@ -336,7 +337,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="small subset (smoke run)")
     p.add_argument("--grid", default="full", choices=tuple(GRIDS) + GPU_GRIDS,
-                   help="full: the issue's grid; goals: only its goal points (file stem "
+                   help="full: the whole grid; goals: only its goal points (file stem "
                         "kernel_<device>_goals); gpu, paper, llama8b, rl, fewshot: the tree "
                         "grids against FlashInfer (--device cuda; each fixes its own heads, "
                         "dtype and block; kernel_gpu.py); smoke: tiny tree points, any device")

@@ -12,7 +12,7 @@ KV bytes:
 Ours and the FlashInfer contenders are timed twice: as called, and as a CUDA-graph replay of the
 same call after its plan ("_graph"), which is how vLLM runs a decode step. "ours_vllm_graph"
 is ours as vLLM's FULL decode graphs replay it: the plan padded to the batch size's capacity
-(plan_capacity.py, pruned where the tree exceeds it) in buffers that never move, and a workspace
+(plan/capacity.py, pruned where the tree exceeds it) in buffers that never move, and a workspace
 with no split spares (the builder's graph mode). Eager timings carry
 each launch's host work (the cascade: a launch and an output allocation per level, plus a
 merge), which the graph replay leaves out; graph against graph compares the GPU work alone. Our
@@ -37,17 +37,17 @@ also runs on CPU (no FlashInfer, no graphs, no profiler), so the pipeline can be
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 
 import torch
 
-from ..ops import TppWorkspace
+from .. import envs
+from ..plan import TppWorkspace
 from ..ops.reference import tpp_decode_reference
 from ..plan import build_plan, empty_plan
-from ..plan_cache import PlanCache
-from ..plan_capacity import PlanCapacity
+from ..plan.cache import PlanCache
+from ..plan.capacity import PlanCapacity
 from . import provenance
 from .cascade_levels import cascade_levels
 from .flashinfer_baselines import (batch_decode, flashinfer_version, multi_level_cascade,
@@ -83,9 +83,10 @@ TAIL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=0"), ("llama8b", "b=32 nothing shar
                      ("llama8b", "b=128 nothing shared, S=1024"), ("smoke", "b=4 nothing shared"),
                      SERVED}
 TAIL_SPLITS = (1, 2, 3, 4, 6, 9)
-# Points where ours is also timed with the final launch's compact stage (CHUNKATTN_FINAL_STAGE_
-# TOKENS=32: 4 CTAs an SM instead of 3, csrc/cuda/tpp_params.cuh) against the default (64): the
-# paper point's two latency-bound final launches and the served shapes (Llama-3-8B, b = 128, 256).
+# Points where ours is also timed with the final launch's compact stage
+# (CHUNKATTN_FINAL_STAGE_TOKENS=32: 4 CTAs an SM instead of 3, csrc/cuda/tpp_params.cuh) against
+# the default (64): the paper point's two latency-bound final launches and the served shapes
+# (Llama-3-8B, b = 128, 256).
 FINAL_SWEEP_POINTS = {("paper", "n_p=4096 n_s=4096"), ("paper", "n_p=4096 n_s=0"),
                       ("llama8b", "b=128 P=2048 S=128"), ("smoke", "b=4 P=64 S=20"), SERVED}
 FINAL_STAGES = (64, 32)
@@ -323,7 +324,7 @@ def run_tree_grids(args, command: str) -> int:
     meta = dict(command=command, device=device_name(device), torch=torch.__version__,
                 flashinfer=fi_version or fi_why, commit=provenance.git_commit(),
                 reps=args.reps, tol=args.tol,
-                overlap_final=os.environ.get("CHUNKATTN_OVERLAP_FINAL", "default"), **ceilings)
+                overlap_final=envs.raw("OVERLAP_FINAL", "default"), **ceilings)
     print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
     rows: list[dict] = []
     fi_broken: dict = {}

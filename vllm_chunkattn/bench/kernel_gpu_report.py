@@ -1,5 +1,5 @@
 """The GPU kernel grid's results: <stem>.csv (every column), <stem>.md (the device, its measured
-ceilings, the issue's goals checked against the numbers, one table per grid) and <stem>.png
+ceilings, the goals checked against the numbers, one table per grid) and <stem>.png
 (one panel per grid: µs per contender and the roofline, log scale)."""
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _finite(values):
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
-    """The issue's goals, each checked against the rows that define it (absent rows: not run)."""
+    """The kernel goals, each checked against the rows that define it (absent rows: not run)."""
     def pick(pred):
         return [r for r in rows if pred(r)]
 
@@ -132,8 +132,8 @@ SWEEPS = (
     ("kv_sweep_us", "KV loads' addresses: one 32-bit offset (default) against 64-bit ones",
      "Each KV token a stage loads takes one int32 offset for K and V where their strides are "
      "equal and every offset fits (vLLM's flash layout; csrc/cuda/tpp_attend_tile.cuh, "
-     "load_kv_stage), or two 64-bit ones (CHUNKATTN_KV_OFFSETS_I64=1, the path before "
-     "2026-11-27). Both timed side by side (eager); i64 / i32 below are the two paths.",
+     "load_kv_stage), or two 64-bit ones (CHUNKATTN_KV_OFFSETS_I64=1). Both timed side by side "
+     "(eager); i64 / i32 below are the two paths.",
      "address path", ("i32", "i64")),
 )
 
@@ -235,7 +235,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['gemm_TFLOPs_bfloat16']} TFLOP/s bf16, {meta['gemm_TFLOPs_float16']} "
              f"TFLOP/s fp16.", "",
              *disagreement_lines(rows),
-             "## Goals (issue #9)", "", *goal_lines(rows), "", *split_sweep_lines(rows),
+             "## Goals", "", *goal_lines(rows), "", *split_sweep_lines(rows),
              *overlap_lines(rows, meta.get("overlap_final", "")), *tails_lines(rows),
              "## Method", "",
              f"One layer, one decode step. Times are µs, the median of up to {meta['reps']} "
@@ -247,7 +247,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "op as a layer calls it (TppLaunch built beforehand). "
              "`ours graph` replays the same call from a CUDA graph. `ours vLLM graph` replays "
              "it as vLLM's FULL decode graphs run it: the plan padded to the batch size's "
-             "capacity (plan_capacity.py; pruned where the tree exceeds it), no split spares in "
+             "capacity (plan/capacity.py; pruned where the tree exceeds it), no split spares in "
              "the workspace; `eager / vLLM graph` = ours µs / ours vLLM graph µs. `empty plan` is our op with "
              "no plan (paged decode, no prefix awareness). `FI decode` is FlashInfer "
              "BatchDecodeWithPagedKVCacheWrapper. `FI cascade` is FlashInfer "
@@ -268,7 +268,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "under the torch profiler with CHUNKATTN_SEQ_SPLITS=1, which leaves that launch "
              "only the chunk-first CTAs (same flush, median). cf % peak is relative to the "
              "measured GEMM peak of the point's dtype. cf rows/kv head = the widest node's "
-             "sharers x q heads per kv head, the height of its GEMMs. The issue's "
+             "sharers x q heads per kv head, the height of its GEMMs. The goal's "
              "'G·n·GQA rows >= 256' is read per node (n·GQA for a rollout group): a node's KV is "
              "read once for its own sharers only, so its FLOPs per byte grow with its own rows, "
              "not with G.", "",

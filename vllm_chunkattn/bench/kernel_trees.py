@@ -1,4 +1,4 @@
-"""Tree-shaped decode batches of the GPU kernel grid (issue #9), as block tables over one KV pool.
+"""Tree-shaped decode batches of the GPU kernel grid, as block tables over one KV pool.
 
 A point is a list of decode rows. Each row reads a path of shared nodes (root first) and then a
 private tail. Rows that name the same node get the same physical blocks, so the sharing is
@@ -17,7 +17,7 @@ The grids:
   fewshot  nested few-shot trees of depth 3: system prompt (all rows) -> few-shot block (a subset)
            -> question (its samples) -> private answers; the "uneven" point adds zero-shot
            questions directly under the system prompt, so its rows have 2 or 3 shared nodes;
-  smoke    tiny points of every kind (CPU tests, a first sanity run on a device).
+  smoke    tiny points of every kind (CPU tests, a quick sanity run on a GPU).
 Rows come out in DFS order of the tree: the samples of one prompt are adjacent, as vLLM's
 n-sampling puts them.
 """

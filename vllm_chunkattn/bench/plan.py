@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from ..plan import build_plan
-from ..plan_cache import PlanCache
-from ..plan_staging import FIELDS
+from ..plan.cache import PlanCache
+from ..plan import TppPlan
 from .provenance import git_commit, load_average, machine
 from .timing import Timer
 
@@ -82,21 +82,29 @@ def decode_run(table: np.ndarray, seq_lens: np.ndarray, block_size: int, steps: 
 
 
 def build_plan_of(commit: str):
-    """build_plan as vllm_chunkattn/plan.py had it at a git commit (a module of its own; the file
-    must need no other module of the package)."""
+    """build_plan as the package had it at a git commit, as a module of its own: plan.py, or
+    plan/tpp_plan.py + plan/build.py (their relative imports dropped: they need only each other)."""
     import subprocess
     import types
-    src = subprocess.run(["git", "show", f"{commit}:vllm_chunkattn/plan.py"], check=True,
-                         capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{commit}:{path}"], check=True,
+                              capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+    try:
+        src = show("vllm_chunkattn/plan.py")
+    except subprocess.CalledProcessError:
+        build = show("vllm_chunkattn/plan/build.py").replace("from __future__ import annotations", "")
+        src = show("vllm_chunkattn/plan/tpp_plan.py") + "\n".join(
+            line for line in build.splitlines() if not line.startswith("from ."))
     module = sys.modules[f"plan_{commit}"] = types.ModuleType(f"plan_{commit}")  # (dataclass)
-    exec(compile(src, f"{commit}:vllm_chunkattn/plan.py", "exec"), module.__dict__)
+    exec(compile(src, f"{commit}:build_plan", "exec"), module.__dict__)
     return module.build_plan
 
 
 def same_plan(a, b) -> bool:
     return (a.num_seqs, a.num_nodes, a.num_partials) == (b.num_seqs, b.num_nodes, b.num_partials) \
         and all(np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)))
-                for f in FIELDS)
+                for f in TppPlan.TENSORS)
 
 
 def median_us(fn, repeats: int) -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def _step_time(kind, num_reqs, block_size, prompt_len, shared_len, steps, seed=0):
-    from ..plugin.manager_sim import Sim
+    from .kv_manager_sim import Sim
     rng = random.Random(seed)
     blocks_per_req = -(-(prompt_len + steps + 1) // block_size)
     sim = Sim(kind, num_reqs * blocks_per_req + 16, block_size)
@@ -48,7 +48,7 @@ def _step_time(kind, num_reqs, block_size, prompt_len, shared_len, steps, seed=0
 def _peak_blocks(kind, num_reqs, block_size, shared_len, suffix_len, out_len, max_running,
                  seed=0):
     """Requests arrive in order; at most max_running run at once (FCFS); each decodes out_len."""
-    from ..plugin.manager_sim import Sim
+    from .kv_manager_sim import Sim
     rng = random.Random(seed)
     sim = Sim(kind, 1 << 16, block_size)
     system = [rng.randrange(3, 30000) for _ in range(shared_len)]
@@ -74,9 +74,10 @@ def _peak_blocks(kind, num_reqs, block_size, shared_len, suffix_len, out_len, ma
 
 def _reorder_matches(num_waiting, block_size, repeats, prompt_len=2208, shared_len=2048):
     """One step of the scheduler's prefix-aware reordering (plugin/scheduler.py _order_waiting):
-    a tree match for each waiting request of the window, as the H100 pair's waves queue them
-    (2048 shared + 160 own tokens), from the root (before 2026-11-27) or extending the request's
-    match of the step before (tree.match_prefix's `previous`, now). Medians in ms, interleaved."""
+    a tree match for each waiting request of the window, as the H100 serving A/B's waves queue
+    them (2048 shared + 160 own tokens), from the root or extending the request's match of the
+    step before (tree.match_prefix's `previous`, what the scheduler does). Medians in ms,
+    interleaved."""
     from ..tree import ChunkPrefixTree
     rng = random.Random(0)
     system = [rng.randrange(3, 30000) for _ in range(shared_len)]
@@ -104,7 +105,7 @@ def _admission(model: str, prefix_aware: bool, tmp: Path) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHUNKATTN_STATS_FILE": str(stats),
            "CHUNKATTN_STATS_INTERVAL_S": "0",
            "CHUNKATTN_PREFIX_AWARE_SCHEDULING": "1" if prefix_aware else "0"}
-    proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.plugin.admission_run", model,
+    proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench.sched_admission", model,
                            str(stats)], capture_output=True, text=True, env=env, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -211,10 +212,10 @@ def _write(out: Path, rows, peaks, workload, bs, argv, admission) -> None:
               "While slots are free and requests wait, each step reorders the head of the "
               "waiting queue (up to CHUNKATTN_SCHED_WINDOW = 256) by tree match: a match per "
               "waiting request, here 2208-token prompts whose first 2048 tokens are in the tree "
-              "(the H100 pair's `prefix1x2k_c256` waves). From the root: a lookup per chunk, as "
-              "before 2026-11-27; from the last step's: the request's previous match kept while "
-              "its chunks stay listed, then a lookup per chunk after it. Medians over "
-              "interleaved repeats.", "",
+              "(the H100 serving A/B's `prefix1x2k_c256` waves). From the root: a lookup per "
+              "chunk; from the last step's (what the scheduler does): the request's previous "
+              "match kept while its chunks stay listed, then a lookup per chunk after it. "
+              "Medians over interleaved repeats.", "",
               "| waiting | from the root ms | from the last step's ms | last / root |",
               "|---:|---:|---:|---:|"]
     lines += [f"| {r['running']} | {r['stock']:.2f} | {r['tree']:.3f} | {r['ratio']:.3f}x |"

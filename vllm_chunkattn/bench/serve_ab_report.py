@@ -1,8 +1,8 @@
-"""python -m vllm_chunkattn.bench.serve_ab_report --tag TAG --out DIR CALL_DIR [CALL_DIR ...]
+"""python -m vllm_chunkattn.bench.serve_ab_report --tag TAG --out DIR RUN_DIR [RUN_DIR ...]
 
-The report of issue #10's GPU A/B from what benchmarks/gpu/serve_ab.sh's device calls brought
-back (each CALL_DIR: a call's files, results_<system>-r<round>.tar.gz and server_<...>.log):
-ab_<TAG>.{md,csv,png} as `bench ab` writes them (ab_report.py), with the issue's goals, plus
+The report of the GPU serving A/B from the files benchmarks/gpu/serve_ab.sh's runs leave (each
+RUN_DIR: one run's files, results_<system>-r<round>.tar.gz and server_<...>.log):
+ab_<TAG>.{md,csv,png} as `bench ab` writes them (ab_report.py), with the GPU goals, plus
 ab_<TAG>_rounds.csv with every round. Rounds of one system and workload (ABBA) are combined by
 their median; a round that lost requests is reported, not combined.
 """
@@ -35,7 +35,7 @@ WORKLOADS = {
     "n8x1k": dict(group="samples", shared_len=1024, num_prefixes=16, n=8),
     "tree": dict(group="tree", shared_len=1024, num_prefixes=1, n=1),
 }
-# Issue #10: >= 1.6x output tok/s with 2K shared, >= 0.98x with nothing shared, peak KV no worse
+# The GPU goals: >= 1.6x output tok/s with 2K shared, >= 0.98x with nothing shared, peak KV no worse
 # than stock with prefix caching.
 GPU_GOALS = {"speedup": ((2048, 1.6), (0, 0.98)), "kv_vs_stock": 0.0}
 NUMERIC = ("completed", "failed", "duration_s", "output_tok_s", "mean_ttft_ms", "mean_tpot_ms",
@@ -84,7 +84,7 @@ def kv_bound_tokens(res: dict, shape: dict, block: int = BLOCK) -> float:
 def longest_silence_s(res: dict) -> float:
     """The longest time between two messages of any streams (first token + inter-token gaps
     from each request's start): a server or client that stalls as a whole shows here, where
-    per-request merging alone would not (H100, 2026-11-26: 1.29 s on CUSTOM's bursty run)."""
+    per-request merging alone would not (1.29 s on an H100, CUSTOM's bursty run)."""
     times = []
     for start, ttft, gaps in zip(res.get("start_times") or [], res.get("ttfts") or [],
                                  res.get("itls") or []):
@@ -143,32 +143,32 @@ def read_run(run: Path, system: str, rnd: int, server_log: str) -> list[dict]:
 
 
 def server_log(path: Path) -> str:
-    """A server's log as the device call left it, or gzipped as committed (path + .gz); "" if none."""
+    """A server's log as serve_ab.sh left it, or gzipped as committed (path + .gz); "" if none."""
     if path.exists():
         return path.read_text(errors="replace")
     gz = path.with_name(path.name + ".gz")
     return gzip.decompress(gz.read_bytes()).decode(errors="replace") if gz.exists() else ""
 
 
-def call_log(tarball: Path) -> str:
-    """The server log beside a call's results_<system>-r<round>.tar.gz: the round's own, or the
+def run_log(tarball: Path) -> str:
+    """The server log beside a run's results_<system>-r<round>.tar.gz: the round's own, or the
     system's, which a pair's two rounds share (serve_ab.sh)."""
     system, rnd = TAG_RE.search(tarball.name).groups()
     return (server_log(tarball.with_name(f"server_{system}-r{rnd}.log"))
             or server_log(tarball.with_name(f"server_{system}.log")))
 
 
-def read_call(tarball: Path, work: Path) -> list[dict]:
-    """read_run over one serve_ab.sh call's returned files (results tarball + server log)."""
+def read_results(tarball: Path, work: Path) -> list[dict]:
+    """read_run over one serve_ab.sh run's files (results tarball + server log)."""
     system, rnd = TAG_RE.search(tarball.name).groups()
     dest = work / f"{system}-r{rnd}"
     with tarfile.open(tarball) as t:
         t.extractall(dest, filter="data")
-    return read_run(dest, system, int(rnd), call_log(tarball))
+    return read_run(dest, system, int(rnd), run_log(tarball))
 
 
 def summary(run: Path, server_log: Path, tag: str) -> str:
-    """serve_ab.sh's per-call table (on the device, before the files travel): the report's
+    """serve_ab.sh's per-run table (on the GPU machine, beside the run): the report's
     columns for one run."""
     system, rnd = tag.rsplit("-r", 1)
     rows = read_run(run, system, int(rnd), server_log.read_text(errors="replace"))
@@ -301,30 +301,30 @@ def _setup_text(work: Path, pattern: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("calls", nargs="*", type=Path, help="folders of serve_ab.sh calls' files")
+    ap.add_argument("runs", nargs="*", type=Path, help="folders of serve_ab.sh runs' files")
     ap.add_argument("--tag")
     ap.add_argument("--summary", nargs=3, metavar=("RUN_DIR", "SERVER_LOG", "SYSTEM-rROUND"),
-                    help="print one run's table instead (serve_ab.sh, on the device)")
+                    help="print one run's table instead (serve_ab.sh, on the GPU machine)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--commit", default="?", help="the commit the device ran")
+    ap.add_argument("--commit", default="?", help="the commit the GPU machine ran")
     a = ap.parse_args(argv)
     if a.summary:
         run, log, tag = a.summary
         print(summary(Path(run), Path(log), tag))
         return 0
-    if not a.calls or not a.tag:
-        ap.error("give --tag and the call folders (or --summary)")
-    tarballs = sorted(p for d in a.calls for p in d.glob("results_*-r*.tar.gz"))
+    if not a.runs or not a.tag:
+        ap.error("give --tag and the run folders (or --summary)")
+    tarballs = sorted(p for d in a.runs for p in d.glob("results_*-r*.tar.gz"))
     if not tarballs:
         print("serve_ab_report: no results_<system>-r<round>.tar.gz in the given folders")
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rounds = [r for t in tarballs for r in read_call(t, work)]
+        rounds = [r for t in tarballs for r in read_results(t, work)]
         server_cmd = _setup_text(work, "stock-r*/server_cmd.txt")
         gpu = _setup_text(work, "*/gpu.txt")
         flags = {w: _setup_text(work, f"*/{w}.flags") for w in WORKLOADS}
-    logs = "".join(call_log(t) for t in tarballs if TAG_RE.search(t.name).group(1) == "custom")
+    logs = "".join(run_log(t) for t in tarballs if TAG_RE.search(t.name).group(1) == "custom")
     kernel = re.search(r"kernel=(\S+?),", logs)
     graphs = sorted(set(re.findall(r"Capturing CUDA graphs \(([^)]*)\)", logs)))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -342,12 +342,12 @@ def main(argv=None) -> int:
         model += " (dummy weights: a config and a tokenizer, e.g. model_shapes.py llama-3-8b)"
     setup = {"model": model,
              "server_args": re.sub(r" --port \d+", "", server_cmd), "systems": systems, "commit": a.commit,
-             "date": "from the device calls", "native": kernel.group(1) if kernel else "?",
+             "date": "see the runs' server logs", "native": kernel.group(1) if kernel else "?",
              "machine": f"{gpu}; CUSTOM graphs captured: {', '.join(graphs) or 'none seen'}; "
                         f"rounds per system: "
                         + ", ".join(f"{s} {len({r['round'] for r in rounds if r['system'] == s})}"
                                     for s in systems),
-             "budget_min": 0, "slo_ms": float("inf"), "goals": GPU_GOALS, "sample_s": 0.25,
+             "time_limit_min": 0, "slo_ms": float("inf"), "goals": GPU_GOALS, "sample_s": 0.25,
              "client": "`vllm bench serve` from benchmarks/gpu/serve_ab.sh (`--ignore-eos "
                        "--seed 0 --save-detailed`, 32 concurrent; prefix1x2k_c128 / _c256: "
                        "128 / 256 concurrent; n8x1k: n = 8 at temperature 1, 4 concurrent); a server "

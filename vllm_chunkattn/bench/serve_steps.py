@@ -42,7 +42,7 @@ class Step:
 
 
 def workload_steps(server_log: str) -> dict[str, list[Step]]:
-    """workload -> its steps, in order; a workload with a start but no end (the call was cut)
+    """workload -> its steps, in order; a workload with a start but no end (the run was cut)
     keeps the steps logged up to the cut."""
     out: dict[str, list[Step]] = {}
     current = None

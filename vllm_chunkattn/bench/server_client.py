@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_chunkattn.serve import ServerProcess
+from vllm_chunkattn.bench.server_process import ServerProcess
 
 SERVED_NAME = "tiny"        # --served-model-name of the benchmarks' servers
 METRICS_PERIOD_S = 0.2

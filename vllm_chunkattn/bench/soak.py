@@ -29,7 +29,7 @@ from pathlib import Path
 from vllm_chunkattn.bench import provenance
 from vllm_chunkattn.bench.server_client import MetricsSampler, healthy, log, post, scrape
 from vllm_chunkattn.bench.soak_workload import SERVED_NAME, SoakRequest, make_requests
-from vllm_chunkattn.serve import KERNEL_IN_USE, ServerProcess, engine_modes
+from vllm_chunkattn.bench.server_process import KERNEL_IN_USE, ServerProcess, engine_modes
 
 BLOCK_SIZE, MAX_MODEL_LEN = 32, 1024
 SERVER_FLAGS = ["--served-model-name", SERVED_NAME, "--dtype", "float32",

@@ -58,15 +58,15 @@ class Timer:
         self.flush = (torch.empty(256 << 20, dtype=torch.uint8, device=device)
                       if self.cuda and flush_l2 else None)
 
-    def __call__(self, fn, reps: int, budget_s: float = 2.0, warmup: bool = True) -> float:
+    def __call__(self, fn, reps: int, time_limit_s: float = 2.0, warmup: bool = True) -> float:
         """Median ms of fn alone (for what has nothing to be compared with in the same run)."""
-        return self.side_by_side({"fn": fn}, reps, budget_s, warmup, rounds=1)["fn"]
+        return self.side_by_side({"fn": fn}, reps, time_limit_s, warmup, rounds=1)["fn"]
 
-    def side_by_side(self, contenders: dict, reps: int, budget_s: float = 2.0,
+    def side_by_side(self, contenders: dict, reps: int, time_limit_s: float = 2.0,
                      warmup: bool = True, rounds: int = ROUNDS) -> dict[str, float]:
         """name -> median ms over about reps repeats, in min(rounds, reps) rounds whose order
         reverses every round. A contender's turn in a round ends early once it has run longer
-        than its share of budget_s, but every contender gets at least 3 repeats in all."""
+        than its share of time_limit_s, but every contender gets at least 3 repeats in all."""
         names = list(contenders)
         rounds = max(1, min(rounds, reps))
         per_round, least = -(-reps // rounds), -(-3 // rounds)
@@ -77,10 +77,10 @@ class Timer:
         for r in range(rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 samples[name] += self._turn(contenders[name], per_round, least,
-                                            budget_s / rounds)
+                                            time_limit_s / rounds)
         return {name: statistics.median(times) for name, times in samples.items()}
 
-    def _turn(self, contender, reps: int, least: int, budget_s: float) -> list[float]:
+    def _turn(self, contender, reps: int, least: int, time_limit_s: float) -> list[float]:
         fn, env = ((contender.fn, contender.env) if isinstance(contender, Variant)
                    else (contender, {}))
         times = []
@@ -88,7 +88,7 @@ class Timer:
         with op_env(env):
             for _ in range(reps):
                 times.append(self._once(fn))
-                if len(times) >= least and time.perf_counter() - start > budget_s:
+                if len(times) >= least and time.perf_counter() - start > time_limit_s:
                     break
         return times
 
@@ -124,6 +124,6 @@ def cuda_graph(fn):
         return out
     # The graph reads, by address, what fn holds (its TppLaunch's plan and workspace, a FlashInfer
     # wrapper's buffers), and nothing else keeps fn: freed, those blocks went to later tensors and
-    # the replays read them (the first H200 run: wrong outputs, then an illegal address).
+    # the replays would read them (wrong outputs, then an illegal address).
     replay.captured_fn = fn
     return replay

@@ -1,4 +1,4 @@
-"""Greedy token identity of two systems' completions, with logprob gaps (issue #10: in bf16,
+"""Greedy token identity of two systems' completions, with logprob gaps (in bf16,
 report the requests whose tokens differ and how close each divergence came to a tie).
 
 Per request, both systems saw the same context up to the first position where their tokens

@@ -38,7 +38,7 @@ from .roofline import kv_bytes_per_token, measure_hbm_bandwidth, roofline_us, un
 from .timing import Timer, cuda_graph
 from .vllm_flash_attn import vllm_fa3_decode
 
-# The GPU points: 2-4K shared of a 4096-token prompt (0: the no-sharing control), plus a
+# The GPU points: 2-4K shared of a 4096-token prompt (0: the no-sharing control), plus a
 # private tail per sequence.
 CUDA_GRID = dict(shapes="llama-3-8b,qwen2.5-32b", batch="32,128,256", prompt=4096,
                  shared="0,2048,4096", private=128, block=16)

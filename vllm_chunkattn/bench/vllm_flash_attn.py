@@ -4,7 +4,7 @@
 most `flash_attn_max_num_splits_for_cuda_graph` (32) KV splits, causal, paged through the block
 table, over the same cache views our kernel reads (vLLM's flash layout).
 
-Only where vLLM is installed (a GPU session after the bundle's install); elsewhere the reason it
+Only where vLLM is installed (a GPU machine after the bundle's install); elsewhere the reason it
 is not, and the caller takes FlashInfer's decode as stock's stand-in.
 """
 from __future__ import annotations

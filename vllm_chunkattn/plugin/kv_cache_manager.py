@@ -28,7 +28,7 @@ from __future__ import annotations
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import Request, RequestStatus
 
-from ..tree import ChunkPrefixTree, TreeStats, _num_blocks_for
+from ..tree import ChunkPrefixTree, _num_blocks_for
 from .namespace import request_namespace
 
 
@@ -52,7 +52,6 @@ class ChunkTreeKVCacheManager:
         self.block_size = block_size
         self.tree = ChunkPrefixTree(self.kv_cache_config.num_blocks, block_size)
         self._blocks = self.block_pool.blocks      # block id -> KVCacheBlock (id carrier only)
-        self.num_cached_tokens_served = 0
 
     def __getattr__(self, name: str):
         # Only reached for names this class does not define. An AttributeError still (so that
@@ -132,9 +131,6 @@ class ChunkTreeKVCacheManager:
         seq = self.tree.seqs.get(request.request_id)
         return len(seq.chunks) * self.block_size if seq is not None else 0
 
-    def tree_stats(self) -> TreeStats:
-        return self.tree.stats()
-
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -201,7 +197,6 @@ class ChunkTreeKVCacheManager:
         if shared is None:
             return None
         assert shared == num_hit_tokens, (shared, num_hit_tokens)
-        self.num_cached_tokens_served += shared
         blocks = self._blocks
         return KVCacheBlocks(([blocks[b] for b in tree.block_ids(rid)[len(matched):]],))
 

@@ -1,9 +1,9 @@
 """One vLLM run of the prefix-aware admission workload (a child process of bench/sched.py):
 G system prompts, requests arriving interleaved across groups (g0, g1, ..., g0, g1, ...), fewer
 slots than requests, so admission order decides who decodes together. Prints one JSON line:
-output tokens/s and the worker's decode sharing counters (plugin/sharing_stats.py).
+output tokens/s and the worker's decode sharing counters (plugin/stats.py).
 
-    python -m vllm_chunkattn.plugin.admission_run MODEL STATS_FILE [key=value ...]
+    python -m vllm_chunkattn.bench.sched_admission MODEL STATS_FILE [key=value ...]
 """
 from __future__ import annotations
 

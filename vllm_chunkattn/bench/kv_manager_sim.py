@@ -1,7 +1,7 @@
-"""Drive vLLM's KV cache managers without a model (benchmarks): the stock `KVCacheManager`
-(prefix caching on or off) and `ChunkTreeKVCacheManager`, through the calls the scheduler
-makes: get_computed_blocks + allocate_slots on admission, allocate_slots(request, 1) per decode
-token, free at the end. Kept here because only plugin/ imports vLLM."""
+"""Drive vLLM's KV cache managers without a model (bench sched, tests): the stock
+`KVCacheManager` (prefix caching on or off) and `ChunkTreeKVCacheManager`, through the calls the
+scheduler makes: get_computed_blocks + allocate_slots on admission, allocate_slots(request, 1)
+per decode token, free at the end."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +12,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
-from .kv_cache_manager import ChunkTreeKVCacheManager
+from ..plugin.kv_cache_manager import ChunkTreeKVCacheManager
 
 KINDS = ("stock_nocache", "stock", "tree")
 

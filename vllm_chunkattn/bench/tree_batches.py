@@ -1,4 +1,5 @@
-"""Seeded random tree-shaped decode batches over a paged KV cache, for tests and benchmarks.
+"""Seeded random tree-shaped decode batches over a paged KV cache, for tests and benchmarks, and
+the checks a TPP kernel's output on them must pass.
 
 A batch is a random prefix tree of blocks (depth, fan-out) whose leaves get private tails, laid out
 in a KV cache whose physical block ids are randomly permuted (block 0 stays the null block, as in
@@ -10,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .kv_layout import KV_LAYOUTS, alloc_kv_cache, kv_cache_views  # noqa: F401  (re-exported)
+from ..kv_layout import alloc_kv_cache, kv_cache_views
 
 
 @dataclass
@@ -85,7 +86,7 @@ def random_tree_batch(seed: int, *, depth: int = 2, fanout: int = 3, max_node_bl
 def caterpillar_batch(num_rows: int, block_size: int = 16, **kwargs) -> TreeBatch:
     """The deepest tree of num_rows rows: row i holds blocks 1..i+1 in full (the last row as many
     as the one before), then a private partial block. num_rows - 1 nested nodes and
-    num_rows * (num_rows + 1) / 2 - 1 partials (capacity mode must prune it, plan_capacity.py).
+    num_rows * (num_rows + 1) / 2 - 1 partials (capacity mode must prune it, plan/capacity.py).
     kwargs: random_tree_batch's heads, head_size, dtype, device."""
     b = random_tree_batch(num_rows, fanouts=[num_rows], max_node_blocks=1, max_private_blocks=0,
                           block_size=block_size, **kwargs)
@@ -197,39 +198,9 @@ def value_cache_elsewhere(b: TreeBatch) -> dict[str, TreeBatch]:
 def assert_matches_reference(b: TreeBatch, plan, out: torch.Tensor, lse: torch.Tensor) -> None:
     """out / lse of a tensor-core TPP kernel (every element written: no NaN) against
     tpp_decode_reference of the same batch and plan."""
-    from .ops.reference import tpp_decode_reference
+    from ..ops.reference import tpp_decode_reference
     ref, ref_lse = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
                                         b.seq_lens, plan, b.scale, return_lse=True)
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out, ref, **TC_TOL[b.query.dtype])
     torch.testing.assert_close(lse, ref_lse, **TC_LSE_TOL[b.query.dtype])
-
-
-def split_spare_slots(plan, num_seqs: int, chunk_splits: int, seq_splits: int) -> int:
-    """Workspace rows beyond plan.num_partials that the CUDA op needs to run with these KV splits
-    (csrc/cuda/tpp_host.h: S_c * P + num_seqs * (S_s - 1) rows in all)."""
-    return (chunk_splits - 1) * plan.num_partials + num_seqs * (seq_splits - 1)
-
-
-def chunk_ctas_with_rows(plan, chunk_seqs: int, chunk_head_tiles: int, num_kv_heads: int) -> int:
-    """Chunk CTAs of one KV split that hold rows (the CUDA kernel's windows): node n's sharers
-    sit at partial positions node_seq_indptr[n] .. [n+1], cut into windows aligned at multiples
-    of chunk_seqs; the grid's other window slots exit at once."""
-    ind = plan.node_seq_indptr.tolist()
-    windows = sum(len({p // chunk_seqs for p in range(ind[n], ind[n + 1])})
-                  for n in range(plan.num_nodes))
-    return windows * chunk_head_tiles * num_kv_heads
-
-
-TPP_WORK_FIELDS = ("chunk_heads", "chunk_head_tiles", "chunk_seqs", "num_windows", "seq_heads",
-                   "seq_head_tiles", "chunk_splits", "seq_splits", "chunk_ctas", "device_splits")
-
-
-def tpp_work(simt_ops, num_seqs: int, num_heads: int, num_kv_heads: int, block_size: int,
-             num_nodes: int, num_partials: int, node_blocks: int, table_width: int, slots: int,
-             resident_ctas: int) -> dict:
-    """The CUDA op's work decomposition (csrc/cuda/tpp_host.h, make_tpp_work) for these sizes,
-    by name, from the SIMT emulation's library (torch.ops.chunkattn_simt: no GPU)."""
-    return dict(zip(TPP_WORK_FIELDS, simt_ops.tpp_work(
-        num_seqs, num_heads, num_kv_heads, block_size, num_nodes, num_partials, node_blocks,
-        table_width, slots, resident_ctas)))
