@@ -6,7 +6,7 @@
 #include "tpp_schema.h"
 
 TORCH_LIBRARY(chunkattn, m) {
-  // TPP decode over a paged KV cache (see vllm_chunkattn/plan.py for the plan tensors).
+  // TPP decode over a paged KV cache (see vllm_chunkattn/plan for the plan tensors).
   // partial_o/m/l: fp32 workspace [>= num_partials, num_heads(, head_size)], overwritten.
   // out: [num_seqs, num_heads, head_size] written in place; lse: optional natural-log LSE.
   m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ") -> ()");

@@ -13,8 +13,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <optional>
 #include <utility>
+
+#include "tpp_args.h"
 
 namespace chunkattn {
 
@@ -32,41 +33,28 @@ inline void check_index(const at::Tensor& t, const char* name, int64_t dims) {
 
 // The block table, seq_lens and the seven plan tensors of a batch of num_seqs rows.
 // Returns {num_nodes, num_partials}.
-inline std::pair<int64_t, int64_t> check_plan_tensors(
-    int64_t num_seqs, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& node_block_indptr, const at::Tensor& node_block_ids,
-    const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
-    const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
-    const at::Tensor& seq_num_shared_blocks) {
-  check_index(block_table, "block_table", 2);
-  for (auto [t, name] : {std::pair{&seq_lens, "seq_lens"}, {&node_block_indptr, "node_block_indptr"},
-                         {&node_block_ids, "node_block_ids"}, {&node_seq_indptr, "node_seq_indptr"},
-                         {&node_seq_ids, "node_seq_ids"}, {&seq_partial_indptr, "seq_partial_indptr"},
-                         {&seq_partial_ids, "seq_partial_ids"}, {&seq_num_shared_blocks, "seq_num_shared_blocks"}})
-    check_index(*t, name, 1);
-  TORCH_CHECK(block_table.size(0) == num_seqs && seq_lens.size(0) == num_seqs &&
-                  seq_num_shared_blocks.size(0) == num_seqs && seq_partial_indptr.size(0) == num_seqs + 1,
+inline std::pair<int64_t, int64_t> check_plan_tensors(int64_t num_seqs, const TppPlanTensors& plan) {
+  plan.for_each([&plan](const at::Tensor& t, const char* name) {
+    check_index(t, name, &t == &plan.block_table ? 2 : 1);  // the one 2-D tensor
+  });
+  TORCH_CHECK(plan.block_table.size(0) == num_seqs && plan.seq_lens.size(0) == num_seqs &&
+                  plan.seq_num_shared_blocks.size(0) == num_seqs && plan.seq_partial_indptr.size(0) == num_seqs + 1,
               "tpp_decode: block_table, seq_lens, seq_num_shared_blocks and seq_partial_indptr must have "
               "num_seqs (+1) = ", num_seqs, " rows");
-  const int64_t num_nodes = node_block_indptr.size(0) - 1;
-  const int64_t num_partials = node_seq_ids.size(0);
-  TORCH_CHECK(num_nodes >= 0 && node_seq_indptr.size(0) == num_nodes + 1,
+  const int64_t num_nodes = plan.node_block_indptr.size(0) - 1;
+  const int64_t num_partials = plan.node_seq_ids.size(0);
+  TORCH_CHECK(num_nodes >= 0 && plan.node_seq_indptr.size(0) == num_nodes + 1,
               "tpp_decode: node_block_indptr and node_seq_indptr must both have num_nodes + 1 entries");
-  TORCH_CHECK(seq_partial_ids.size(0) == num_partials, "tpp_decode: seq_partial_ids and node_seq_ids must "
+  TORCH_CHECK(plan.seq_partial_ids.size(0) == num_partials, "tpp_decode: seq_partial_ids and node_seq_ids must "
               "both have num_partials entries");
   return {num_nodes, num_partials};
 }
 
-inline TppSizes check_tpp_args(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
-    const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
-    const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
-    const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o, const at::Tensor& partial_m,
-    const at::Tensor& partial_l, double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse) {
+inline TppSizes check_tpp_args(const TppArgs& a) {
   // Positive: the CUDA kernels take each row's max of the unscaled scores and scale it alone
   // (tpp_attend_tile.cuh, mask_and_max), which a negative scale would turn into the min.
-  TORCH_CHECK(scale > 0 && std::isfinite(scale), "tpp_decode: scale must be positive and finite, got ", scale);
+  TORCH_CHECK(a.scale > 0 && std::isfinite(a.scale), "tpp_decode: scale must be positive and finite, got ", a.scale);
+  const at::Tensor &query = a.query, &key_cache = a.key_cache, &value_cache = a.value_cache;
   TORCH_CHECK(query.dim() == 3, "tpp_decode: query must be [num_seqs, num_heads, head_size], got ", query.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "tpp_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got ",
@@ -83,7 +71,7 @@ inline TppSizes check_tpp_args(
   TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, "tpp_decode: num_heads ", s.num_heads,
               " must be a multiple of num_kv_heads ", s.num_kv_heads);
   auto is_float = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
-  for (const at::Tensor* t : {&query, &out})
+  for (const at::Tensor* t : {&query, &a.out})
     TORCH_CHECK(is_float(t->scalar_type()),
                 "tpp_decode: query and out must be float32, float16 or bfloat16, got ", t->scalar_type());
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "tpp_decode: value_cache dtype ",
@@ -91,30 +79,29 @@ inline TppSizes check_tpp_args(
   TORCH_CHECK(is_float(key_cache.scalar_type()),
               "tpp_decode: key_cache dtype must be float32, float16 or bfloat16, got ", key_cache.scalar_type());
   TORCH_CHECK(query.stride(2) == 1, "tpp_decode: query must be dense in head_size");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1,
-              "tpp_decode: out must be [num_seqs, num_heads, head_size] dense in head_size, got ", out.sizes());
+  TORCH_CHECK(a.out.sizes() == query.sizes() && a.out.stride(2) == 1,
+              "tpp_decode: out must be [num_seqs, num_heads, head_size] dense in head_size, got ", a.out.sizes());
   TORCH_CHECK(key_cache.stride(3) == 1 || key_cache.stride(1) == 1,
               "tpp_decode: key_cache must have head_size stride 1 (flash layout) or block_size stride 1 "
               "(CPU_ATTN layout, K^T per block and head), got strides ", key_cache.strides());
   TORCH_CHECK(value_cache.stride(3) == 1, "tpp_decode: value_cache must have head_size stride 1, got strides ",
               value_cache.strides());
-  std::tie(s.num_nodes, s.num_partials) =
-      check_plan_tensors(s.num_seqs, block_table, seq_lens, node_block_indptr, node_block_ids, node_seq_indptr,
-                         node_seq_ids, seq_partial_indptr, seq_partial_ids, seq_num_shared_blocks);
+  std::tie(s.num_nodes, s.num_partials) = check_plan_tensors(s.num_seqs, a.plan);
+  const at::Tensor& partial_o = a.partial_o;
   TORCH_CHECK(partial_o.scalar_type() == at::kFloat && partial_o.is_contiguous() && partial_o.dim() == 3 &&
                   partial_o.size(0) >= s.num_partials && partial_o.size(1) == s.num_heads &&
                   partial_o.size(2) == s.head_size,
               "tpp_decode: partial_o must be contiguous float32 [>= ", s.num_partials, ", ", s.num_heads, ", ",
               s.head_size, "], got ", partial_o.scalar_type(), " ", partial_o.sizes());
-  for (const at::Tensor* t : {&partial_m, &partial_l})
+  for (const at::Tensor* t : {&a.partial_m, &a.partial_l})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
                     t->size(0) >= s.num_partials && t->size(1) == s.num_heads,
                 "tpp_decode: partial_m and partial_l must be contiguous float32 [>= ", s.num_partials, ", ",
                 s.num_heads, "], got ", t->sizes());
-  if (lse.has_value())
-    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == s.num_seqs &&
-                    lse->size(1) == s.num_heads,
-                "tpp_decode: lse must be float32 [", s.num_seqs, ", ", s.num_heads, "], got ", lse->sizes());
+  if (a.lse.has_value())
+    TORCH_CHECK(a.lse->scalar_type() == at::kFloat && a.lse->dim() == 2 && a.lse->size(0) == s.num_seqs &&
+                    a.lse->size(1) == s.num_heads,
+                "tpp_decode: lse must be float32 [", s.num_seqs, ", ", s.num_heads, "], got ", a.lse->sizes());
   return s;
 }
 
@@ -131,33 +118,25 @@ inline void check_range(const int32_t* p, int64_t n, int64_t hi, const char* nam
 
 // Every index the kernels follow, O(plan size + blocks in the rows' private tails). The tensors
 // are host tensors that passed check_plan_tensors for num_seqs rows.
-inline void check_tpp_plan(int64_t num_blocks, int64_t block_size, const at::Tensor& block_table,
-                           const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
-                           const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr,
-                           const at::Tensor& node_seq_ids, const at::Tensor& seq_partial_indptr,
-                           const at::Tensor& seq_partial_ids, const at::Tensor& seq_num_shared_blocks) {
-  const int64_t num_seqs = seq_lens.size(0), num_nodes = node_block_indptr.size(0) - 1;
-  const int64_t num_partials = node_seq_ids.size(0);
-  const int32_t* nb = node_block_indptr.data_ptr<int32_t>();
-  const int32_t* ns = node_seq_indptr.data_ptr<int32_t>();
-  const int32_t* sp = seq_partial_indptr.data_ptr<int32_t>();
-  const int32_t* ssb = seq_num_shared_blocks.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0), max_blocks = block_table.size(1);
-  check_indptr(nb, num_nodes, node_block_ids.size(0), "node_block_indptr");
-  check_indptr(ns, num_nodes, num_partials, "node_seq_indptr");
-  check_indptr(sp, num_seqs, num_partials, "seq_partial_indptr");
-  check_range(node_block_ids.data_ptr<int32_t>(), node_block_ids.size(0), num_blocks, "node_block_ids");
-  check_range(node_seq_ids.data_ptr<int32_t>(), num_partials, num_seqs, "node_seq_ids");
-  check_range(seq_partial_ids.data_ptr<int32_t>(), num_partials, num_partials, "seq_partial_ids");
+inline void check_tpp_plan(int64_t num_blocks, int64_t block_size, const TppPlanTensors& plan) {
+  const int64_t num_seqs = plan.seq_lens.size(0), num_nodes = plan.node_block_indptr.size(0) - 1;
+  const int64_t num_partials = plan.node_seq_ids.size(0), num_node_blocks = plan.node_block_ids.size(0);
+  const int64_t max_blocks = plan.block_table.size(1);
+  const PlanArrays p = plan_arrays(plan);
+  check_indptr(p.node_block_indptr, num_nodes, num_node_blocks, "node_block_indptr");
+  check_indptr(p.node_seq_indptr, num_nodes, num_partials, "node_seq_indptr");
+  check_indptr(p.seq_partial_indptr, num_seqs, num_partials, "seq_partial_indptr");
+  check_range(p.node_block_ids, num_node_blocks, num_blocks, "node_block_ids");
+  check_range(p.node_seq_ids, num_partials, num_seqs, "node_seq_ids");
+  check_range(p.seq_partial_ids, num_partials, num_partials, "seq_partial_ids");
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t used = (int64_t(lens[i]) + block_size - 1) / block_size;
-    TORCH_CHECK(lens[i] >= 0 && used <= max_blocks, "tpp_decode: seq_lens[", i, "] = ", lens[i],
+    const int32_t len = p.seq_lens[i], shared = p.seq_num_shared_blocks[i];
+    const int64_t used = (int64_t(len) + block_size - 1) / block_size;
+    TORCH_CHECK(len >= 0 && used <= max_blocks, "tpp_decode: seq_lens[", i, "] = ", len,
                 " needs more than the ", max_blocks, " blocks of block_table");
-    TORCH_CHECK(ssb[i] >= 0 && int64_t(ssb[i]) * block_size <= lens[i], "tpp_decode: seq_num_shared_blocks[", i,
-                "] = ", ssb[i], " exceeds seq_lens[", i, "] = ", lens[i]);
-    check_range(bt + i * bt_stride + ssb[i], used - ssb[i], num_blocks, "block_table row");
+    TORCH_CHECK(shared >= 0 && int64_t(shared) * block_size <= len, "tpp_decode: seq_num_shared_blocks[", i,
+                "] = ", shared, " exceeds seq_lens[", i, "] = ", len);
+    check_range(p.block_table + i * p.bt_stride + shared, used - shared, num_blocks, "block_table row");
   }
 }
 

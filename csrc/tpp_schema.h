@@ -1,5 +1,6 @@
 // The arguments of chunkattn::tpp_decode's schema (csrc/torch_bindings.cpp), also those of the
 // CUDA op's CPU emulation (csrc/cuda_emu), which appends its own: one list, so the two stay alike.
+// The same arguments in C++: TppArgs and tpp_decode_entry (tpp_args.h).
 #pragma once
 
 #define CHUNKATTN_TPP_DECODE_ARGS                                                       \

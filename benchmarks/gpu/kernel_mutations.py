@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The kernel's source is cuda/tpp_kernels.cuh and the headers it includes; a mutation names its text,
 # found in exactly one of them.
-KERNEL = ("cuda/tpp_params.cuh", "cuda/tpp_attend_tile.cuh", "cuda/tpp_kernels.cuh")
+KERNEL = ("cuda/tpp_params.cuh", "cuda/tpp_attend_tile.cuh", "cuda/tpp_slot_merge.cuh",
+          "cuda/tpp_kernels.cuh")
 HOST = "cuda/tpp_host.h"
 TESTS = ["tests/test_cuda_host.py", "tests/test_cuda_simt_emulation.py"]   # host first: seconds
 

@@ -4,6 +4,7 @@
 // by tpp_decode.cpp, so one binary runs on any x86-64 CPU.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -42,11 +43,18 @@ struct AttendArgs {
 using AttendFn = void (*)(const AttendArgs&);
 
 // Each returns nullptr for a head size it was not built for. The caller checks the CPU first.
+// x86-64 only:
 AttendFn attend_avx512_bf16(int head_size);  // bf16 KV + bf16 q, block_size % 16 == 0
 AttendFn attend_amx(int head_size);          // as avx512_bf16, on AMX tiles; nullptr unless the
                                              // CPU has AMX-BF16 and the OS grants its use
 AttendFn attend_avx512(int head_size);       // any KV dtype, fp32 q
 AttendFn attend_avx2(int head_size);
+// Any CPU:
 AttendFn attend_scalar(int head_size);
+
+// The bf16 kernels' per-thread scratch of at least `words` 32-bit words, 64-byte aligned, grown
+// on demand (a packed chunk is too big for a worker thread's stack at head 256); the AMX and
+// AVX512_BF16 kernels share it. Defined in attend_avx512_bf16.cpp.
+uint32_t* bf16_scratch(size_t words);
 
 }  // namespace chunkattn_cpu

@@ -1,5 +1,5 @@
 // chunkattn::tpp_decode on CPU: argument checks, the run-time ISA choice, and the two phases over
-// the plan (vllm_chunkattn/plan.py) as parallel loops of independent work items, each one call of
+// the plan (vllm_chunkattn/plan) as parallel loops of independent work items, each one call of
 // the attend kernel (tpp_attend.h). Matches vllm_chunkattn/ops/reference.py::tpp_decode_reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,15 +32,13 @@ Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t bl
   const char* env = std::getenv("CHUNKATTN_CPU_ISA");
   const std::string want = env ? env : "";
   auto allowed = [&](const char* name) { return want.empty() || want == name; };
-  bool avx512 = false, avx512_bf16 = false, avx2 = false;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
   const int hs = static_cast<int>(head_size);
+#if defined(__x86_64__)  // the SIMD kernels are x86-64 only
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool bf16_ok = avx512_bf16 && kv_dtype == at::kBFloat16 && q_dtype == at::kBFloat16 &&
                        block_size % 16 == 0;
   if (allowed("amx") && bf16_ok) {  // attend_amx checks AMX itself (CPUID + OS permission)
@@ -55,6 +53,9 @@ Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t bl
   if (allowed("avx2") && avx2) {
     if (AttendFn fn = attend_avx2(hs)) return {fn, false};
   }
+#else
+  (void)kv_dtype, (void)q_dtype, (void)block_size;
+#endif
   if (allowed("scalar")) {
     if (AttendFn fn = attend_scalar(hs)) return {fn, false};
   }
@@ -107,41 +108,20 @@ void parallel_two_phases(int64_t n1, int64_t n2, int num_threads, const F1& f1, 
                    });
 }
 
-void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& block_table,
-                    const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
-                    const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr,
-                    const at::Tensor& node_seq_ids, const at::Tensor& seq_partial_indptr,
-                    const at::Tensor& seq_partial_ids, const at::Tensor& seq_num_shared_blocks,
-                    const at::Tensor& partial_o, const at::Tensor& partial_m,
-                    const at::Tensor& partial_l, double scale, const at::Tensor& out,
-                    const std::optional<at::Tensor>& lse) {
+void tpp_decode_cpu(const chunkattn::TppArgs& args) {
   // ---- arguments, then the plan: it must stay inside the cache and the workspace (O(plan size))
-  const chunkattn::TppSizes sizes = chunkattn::check_tpp_args(
-      query, key_cache, value_cache, block_table, seq_lens, node_block_indptr, node_block_ids, node_seq_indptr,
-      node_seq_ids, seq_partial_indptr, seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-      scale, out, lse);
+  const chunkattn::TppSizes sizes = chunkattn::check_tpp_args(args);
   const int64_t num_seqs = sizes.num_seqs, num_heads = sizes.num_heads, head_size = sizes.head_size;
   const int64_t block_size = sizes.block_size, num_kv_heads = sizes.num_kv_heads;
   const int64_t num_nodes = sizes.num_nodes;
-  const KvDtype kv_dtype = kv_dtype_of(key_cache);
-  chunkattn::check_tpp_plan(sizes.num_blocks, block_size, block_table, seq_lens, node_block_indptr,
-                            node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr, seq_partial_ids,
-                            seq_num_shared_blocks);
-  const int32_t* nb = node_block_indptr.data_ptr<int32_t>();
-  const int32_t* nbi = node_block_ids.data_ptr<int32_t>();
-  const int32_t* ns = node_seq_indptr.data_ptr<int32_t>();
-  const int32_t* nsi = node_seq_ids.data_ptr<int32_t>();
-  const int32_t* sp = seq_partial_indptr.data_ptr<int32_t>();
-  const int32_t* spi = seq_partial_ids.data_ptr<int32_t>();
-  const int32_t* ssb = seq_num_shared_blocks.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t bt_stride = block_table.stride(0);
+  const at::Tensor &query = args.query, &out = args.out;
+  const KvDtype kv_dtype = kv_dtype_of(args.key_cache);
+  chunkattn::check_tpp_plan(sizes.num_blocks, block_size, args.plan);
+  const chunkattn::PlanArrays plan = chunkattn::plan_arrays(args.plan);
   if (num_seqs == 0) return;
 
   // ---- kernel, query rows in the kernel's dtype, per-thread scratch
-  const Kernel kernel = choose_kernel(key_cache.scalar_type(), query.scalar_type(), block_size, head_size);
+  const Kernel kernel = choose_kernel(args.key_cache.scalar_type(), query.scalar_type(), block_size, head_size);
   const at::Tensor q = kernel.q_bf16 ? query.contiguous() : query.to(at::kFloat).contiguous();
   const int64_t q_row_bytes = head_size * (kernel.q_bf16 ? 2 : 4);
   const char* q_base = static_cast<const char*>(q.data_ptr());
@@ -157,12 +137,12 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
   std::vector<NodeItem> items;
   int64_t max_rows = group;
   for (int64_t n = 0; n < num_nodes; ++n) {
-    const int64_t sharers = ns[n + 1] - ns[n];
+    const int64_t first = plan.node_seq_indptr[n], last = plan.node_seq_indptr[n + 1];  // its sharers
     const int64_t parts = base_items >= min_items ? 1 : (min_items + base_items - 1) / base_items;
-    const int64_t step = std::max(min_sharers, (sharers + parts - 1) / parts);
-    const int64_t tokens = int64_t(nb[n + 1] - nb[n]) * block_size;
-    for (int64_t b = ns[n]; b < ns[n + 1]; b += step) {
-      const int64_t e = std::min<int64_t>(b + step, ns[n + 1]);
+    const int64_t step = std::max(min_sharers, (last - first + parts - 1) / parts);
+    const int64_t tokens = int64_t(plan.node_block_indptr[n + 1] - plan.node_block_indptr[n]) * block_size;
+    for (int64_t b = first; b < last; b += step) {
+      const int64_t e = std::min<int64_t>(b + step, last);
       max_rows = std::max(max_rows, (e - b) * group);
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({n, h, b, e, tokens * (e - b)});
     }
@@ -176,15 +156,15 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
   char* scratch_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
 
   AttendArgs proto{};
-  proto.k = view_of(key_cache);
-  proto.v = view_of(value_cache);
+  proto.k = view_of(args.key_cache);
+  proto.v = view_of(args.value_cache);
   proto.dtype = kv_dtype;
   proto.block_size = static_cast<int>(block_size);
-  proto.scale = static_cast<float>(scale);
+  proto.scale = static_cast<float>(args.scale);
   proto.rows_per_seq = static_cast<int>(group);
-  float* po = partial_o.data_ptr<float>();
-  float* pm = partial_m.data_ptr<float>();
-  float* pl = partial_l.data_ptr<float>();
+  float* po = args.partial_o.data_ptr<float>();
+  float* pm = args.partial_m.data_ptr<float>();
+  float* pl = args.partial_l.data_ptr<float>();
 
   // ---- phase 1, chunk-first: all rows of a node's sharers against its KV, read once
   auto chunk_first = [&](int64_t w, int tid) {
@@ -193,11 +173,13 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
     for (int64_t j = it.begin; j < it.end; ++j)
       for (int64_t g = 0; g < group; ++g)
         std::memcpy(qrows + ((j - it.begin) * group + g) * q_row_bytes,
-                    q_base + (nsi[j] * num_heads + it.kv_head * group + g) * q_row_bytes, q_row_bytes);
+                    q_base + (plan.node_seq_ids[j] * num_heads + it.kv_head * group + g) * q_row_bytes,
+                    q_row_bytes);
     AttendArgs a = proto;
     a.kv_head = static_cast<int>(it.kv_head);
-    a.block_ids = nbi + nb[it.node];
-    a.num_tokens = static_cast<int>((nb[it.node + 1] - nb[it.node]) * block_size);
+    a.block_ids = plan.node_block_ids + plan.node_block_indptr[it.node];
+    a.num_tokens =
+        static_cast<int>((plan.node_block_indptr[it.node + 1] - plan.node_block_indptr[it.node]) * block_size);
     a.q = qrows;
     a.num_rows = static_cast<int>((it.end - it.begin) * group);
     a.o = po + (it.begin * num_heads + it.kv_head * group) * head_size;
@@ -211,6 +193,7 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
   // ---- phase 2, sequence-first: each row's private tail, merged with its partials, normalised
   char* out_base = static_cast<char*>(out.data_ptr());
   const int64_t out_esz = out.element_size();
+  const std::optional<at::Tensor>& lse = args.lse;
   float* lse_base = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   auto sequence_first = [&](int64_t w, int tid) {
     const int64_t i = w / num_kv_heads, h = w % num_kv_heads;
@@ -221,8 +204,9 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
     std::memcpy(qrows, q_base + (i * num_heads + h * group) * q_row_bytes, group * q_row_bytes);
     AttendArgs a = proto;
     a.kv_head = static_cast<int>(h);
-    a.block_ids = bt + i * bt_stride + ssb[i];
-    a.num_tokens = static_cast<int>(lens[i] - int64_t(ssb[i]) * block_size);
+    const int32_t shared_blocks = plan.seq_num_shared_blocks[i];
+    a.block_ids = plan.block_table + i * plan.bt_stride + shared_blocks;
+    a.num_tokens = static_cast<int>(plan.seq_lens[i] - int64_t(shared_blocks) * block_size);
     a.q = qrows;
     a.num_rows = static_cast<int>(group);
     a.o = so;
@@ -231,8 +215,8 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
     a.o_seq_stride = group * head_size;
     a.ml_seq_stride = group;
     kernel.fn(a);
-    for (int64_t k = sp[i]; k < sp[i + 1]; ++k) {
-      const int64_t row = int64_t(spi[k]) * num_heads + h * group;
+    for (int64_t k = plan.seq_partial_indptr[i]; k < plan.seq_partial_indptr[i + 1]; ++k) {
+      const int64_t row = int64_t(plan.seq_partial_ids[k]) * num_heads + h * group;
       for (int64_t g = 0; g < group; ++g)
         softmax_state_merge(so + g * head_size, sm + g, sl + g, po + (row + g) * head_size, pm[row + g],
                             pl[row + g], static_cast<int>(head_size));
@@ -256,4 +240,6 @@ void tpp_decode_cpu(const at::Tensor& query, const at::Tensor& key_cache,
 }  // namespace
 }  // namespace chunkattn_cpu
 
-TORCH_LIBRARY_IMPL(chunkattn, CPU, m) { m.impl("tpp_decode", &chunkattn_cpu::tpp_decode_cpu); }
+TORCH_LIBRARY_IMPL(chunkattn, CPU, m) {
+  m.impl("tpp_decode", &chunkattn::tpp_decode_entry<&chunkattn_cpu::tpp_decode_cpu>);
+}

@@ -1,6 +1,7 @@
 // One CTA's attention of up to 64 rows against a run of KV tokens, on tensor cores (mma.sync
 // m16n8k16, fp32 accumulation): the smem layout, the cp.async KV pipeline, the online softmax
-// and the merge of partial states. Both kernels of tpp_kernels.cuh run it.
+// and the merge of its KV parts' states; a final CTA also merges the row's partial slots
+// (tpp_slot_merge.cuh). Both kernels of tpp_kernels.cuh run it.
 //
 // Inside a CTA (4 warps): warp w owns row block w % WM (16 rows) and KV part w / WM of every
 // smem stage of kTokens tokens; KV parts are merged through smem at the end. Softmax runs in the
@@ -8,11 +9,9 @@
 #pragma once
 
 #include "tpp_params.cuh"
+#include "tpp_slot_merge.cuh"
 
 namespace chunkattn {
-
-// exp2 offset for a running max: an empty state (m = -inf) uses 0 so -inf - (-inf) never occurs.
-__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
 
 // ---- Shared-memory layout of one CTA ----
 //   [row meta: int64 q offset x kMaxRows, int out index x kMaxRows][Q rows][KV stages]
@@ -41,9 +40,9 @@ struct KvRows {
 // Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
 // Thread x copies 16-byte chunk x % kChunks of tokens x / kChunks + i * kTokStride. Its block ids
 // are loaded first, all at once, and the copies issued after: written as one loop (id, then its
-// copy), nvcc (13.0, sm_90a) kept each copy waiting on its own id load and a branch, eight
+// copy), nvcc (13.0, sm_90a) keeps each copy waiting on its own id load and a branch, eight
 // dependent load latencies a stage in a row (SASS: LDG.E.CONSTANT -> ~100 instructions ->
-// LDGSTS, eight times).
+// LDGSTS, eight times; tests/test_cuda_codegen.py).
 template <typename T, int D, int TOKENS>
 __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
                                               int t0, int t_end, int kv_head) {
@@ -95,9 +94,9 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
 }
 
 // Pairwise reduction of a thread's N values (N a power of two): log2(N) dependent steps where a
-// running fold takes N - 1. The stage loop's row max and row sum were such folds of 16 values a
-// row at head 128 (FMNMX, FADD: fixed-latency chains), beside the warp stall the H200's Nsight
-// Compute put first at the served shape's chunk-first launch ("wait", 1.10 warps an issue).
+// running fold takes N - 1. The stage loop's row max and row sum fold 16 values a row at head
+// 128: as running folds, chains of fixed-latency FMNMX / FADD, the warp stall Nsight Compute puts
+// first at the served shape's chunk-first launch on an H200 ("wait", 1.10 warps an issue).
 template <int N, typename Op>
 __device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
   static_assert((N & (N - 1)) == 0, "a power of two");
@@ -137,57 +136,6 @@ __device__ __forceinline__ void mask_and_max(float s[][4], int tok0, int t_end, 
     float v[2 * NB];
     row_values<NB>(s, r, v);
     mx[r] = tree_reduce(v, [](float a, float b) { return fmaxf(a, b); });
-  }
-}
-
-// Merges slot `idx` (natural-log m) into a thread's share of one row's state (log2-domain m).
-template <int D>
-__device__ __forceinline__ void merge_slot(const TppParams& p, int64_t idx, int lane, float o[][4],
-                                           int r, float& m2, float& l) {
-  const float pm2 = p.partial_m[idx] * kLog2e;  // -inf stays -inf
-  const float pl = p.partial_l[idx];
-  const float mn = fmaxf(m2, pm2), ms = safe_max(mn);
-  const float a = fast_exp2(m2 - ms), b = fast_exp2(pm2 - ms);
-  const float* po = p.partial_o + idx * D + 2 * (lane % 4);
-#pragma unroll
-  for (int nb = 0; nb < D / 8; ++nb) {
-    const float2 v = *reinterpret_cast<const float2*>(po + nb * 8);
-    o[nb][2 * r] = o[nb][2 * r] * a + v.x * b;
-    o[nb][2 * r + 1] = o[nb][2 * r + 1] * a + v.y * b;
-  }
-  l = l * a + pl * b;
-  m2 = mn;
-}
-
-// A final CTA lists the slots the partial launch wrote for its sequence in smem (after the KV
-// parts' merge buffer, in the KV stages, idle by then): the row's chunk partials over their KV
-// splits, then its tail splits 1.. (split 0 is the CTA's own state). The list comes from the plan
-// alone, so it is made before the wait for the partial grid, all threads loading at once; after
-// the wait a slot costs one load of its state instead of the chain seq_partial_indptr ->
-// seq_partial_ids -> state. Slots [base, base + n) of the row's order go to list[0, n).
-__device__ __forceinline__ void list_row_slots(const TppParams& p, const ChunkSplits& cs, int seq,
-                                               int k0, int chunk_slots, int base, int n, int* list) {
-  for (int j = threadIdx.x; j < n; j += kThreads) {
-    const int i = base + j;
-    list[j] = int(i < chunk_slots ? cs.chunk_slot(i % cs.splits, p.seq_partial_ids[k0 + i / cs.splits])
-                                  : cs.tail_slot(seq, 1 + i - chunk_slots, p.seq_splits));
-  }
-}
-
-// The listed slots merged into this warp's row block (rb): the KV parts' warps share them, slot j
-// going to part j % num_parts, so a row's dozen or so slots cost a few loads in parallel, not one
-// chain; the parts' states are merged after.
-template <int D, typename Sm>
-__device__ __forceinline__ void merge_listed_slots(const TppParams& p, const Sm& sm, const int* list, int n,
-                                                   int rb, int part, int num_parts, int lane, float o[][4],
-                                                   float m2[2], float l[2]) {
-  for (int j = part; j < n; j += num_parts) {
-    const int64_t slot = list[j];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int h = sm.row_out[rb * 16 + lane / 4 + 8 * r];
-      if (h >= 0) merge_slot<D>(p, slot * p.num_heads + h, lane, o, r, m2[r], l[r]);
-    }
   }
 }
 
@@ -399,7 +347,7 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
         p.partial_l[out_idx] = l[r];
       }
     } else {
-      // out_idx is the q head; the row's slots were merged (merge_row_slots).
+      // out_idx is the q head; the row's slots were merged (merge_listed_slots).
       const int h = out_idx;
       const float inv = 1.f / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
       T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + h * p.out_stride_head +

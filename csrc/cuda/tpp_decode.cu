@@ -11,7 +11,7 @@
 //             nodes / rows exit or write empty states (m = -inf), so one capture replays any plan
 //             that fits. The host sees only the capacities, so the chunk-first KV splits are
 //             chosen by the CTAs from the real plan (tpp_params.cuh, chunk_splits_of); picked
-//             from the padded shapes they were one split, up to 4x slower than eager on an H200.
+//             from the padded shapes they would be one split, up to 4x slower than eager (H200).
 //             Padded rows come out as 0 with lse = -inf. Every per-row tensor has the
 //             padded row count (the shared contract); the index checks ran before padding.
 // Split-KV scratch. partial_o/m/l rows past num_partials are spare slots: with S_c KV splits per
@@ -24,8 +24,6 @@
 #include <torch/library.h>
 
 #include <cstdlib>
-#include <optional>
-#include <utility>
 
 #include "tpp_host.h"
 
@@ -87,32 +85,14 @@ void check_device(const at::Tensor& t, const char* name, const at::Tensor& query
               t.device());
 }
 
-void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_table,
-                     const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
-                     const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr,
-                     const at::Tensor& node_seq_ids, const at::Tensor& seq_partial_indptr,
-                     const at::Tensor& seq_partial_ids, const at::Tensor& seq_num_shared_blocks,
-                     const at::Tensor& partial_o, const at::Tensor& partial_m,
-                     const at::Tensor& partial_l, double scale, const at::Tensor& out,
-                     const std::optional<at::Tensor>& lse) {
+void tpp_decode_cuda(const TppArgs& a) {
   // The contract every device shares (csrc/tpp_checks.h): shapes, dtypes, strides. The plan's
   // index ranges are checked on the host where the plan is built (chunkattn::tpp_check_plan, run
-  // by vllm_chunkattn/plan.py once per step): reading them here would sync every layer.
-  const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
-                                    node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
-                                    seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                    scale, out, lse);
-  check_tensor_core_args(s, query, key_cache, value_cache, partial_o, out);
-  for (auto [t, name] : {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"},
-                         {&block_table, "block_table"}, {&seq_lens, "seq_lens"},
-                         {&node_block_indptr, "node_block_indptr"}, {&node_block_ids, "node_block_ids"},
-                         {&node_seq_indptr, "node_seq_indptr"}, {&node_seq_ids, "node_seq_ids"},
-                         {&seq_partial_indptr, "seq_partial_indptr"}, {&seq_partial_ids, "seq_partial_ids"},
-                         {&seq_num_shared_blocks, "seq_num_shared_blocks"}, {&partial_o, "partial_o"},
-                         {&partial_m, "partial_m"}, {&partial_l, "partial_l"}, {&out, "out"}})
-    check_device(*t, name, query);
-  if (lse.has_value()) check_device(*lse, "lse", query);
+  // by vllm_chunkattn/plan once per step): reading them here would sync every layer.
+  const TppSizes s = check_tpp_args(a);
+  check_tensor_core_args(s, a);
+  const at::Tensor& query = a.query;
+  a.for_each_tensor([&query](const at::Tensor& t, const char* name) { check_device(t, name, query); });
   {
     const int need = tpp_partial_smem_bytes(s.head_size), have = smem_optin_bytes(query.get_device());
     TORCH_CHECK(have == 0 || need <= have, "tpp_decode: head_size ", s.head_size, " needs ", need,
@@ -122,11 +102,7 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(query.get_device()).stream();
   const bool half = query.scalar_type() == at::kHalf;
-  const TppParams p = make_tpp_params(s, query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
-                                      node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
-                                      seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                      scale, out, lse,
-                                      resident_ctas(query.get_device(), half, int(s.head_size), stream));
+  const TppParams p = make_tpp_params(s, a, resident_ctas(query.get_device(), half, int(s.head_size), stream));
   if (p.num_seqs == 0) return;
 
   const cudaError_t err = with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
@@ -139,4 +115,6 @@ void tpp_decode_cuda(const at::Tensor& query, const at::Tensor& key_cache,
 }  // namespace
 }  // namespace chunkattn
 
-TORCH_LIBRARY_IMPL(chunkattn, CUDA, m) { m.impl("tpp_decode", &chunkattn::tpp_decode_cuda); }
+TORCH_LIBRARY_IMPL(chunkattn, CUDA, m) {
+  m.impl("tpp_decode", &chunkattn::tpp_decode_entry<&chunkattn::tpp_decode_cuda>);
+}

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <optional>
 
 #include "../tpp_checks.h"
 #include "tpp_kernels.cuh"
@@ -37,22 +36,21 @@ inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(
 
 // The kernel's own limits on top of check_tpp_args: fp16/bf16, its head sizes, power-of-two
 // blocks, 16-byte rows for cp.async / ldmatrix, pairs for the float2 / half2 accesses.
-inline void check_tensor_core_args(const TppSizes& s, const at::Tensor& query, const at::Tensor& key_cache,
-                                   const at::Tensor& value_cache, const at::Tensor& partial_o,
-                                   const at::Tensor& out) {
+inline void check_tensor_core_args(const TppSizes& s, const TppArgs& a) {
+  const at::Tensor &query = a.query, &out = a.out;
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
               "tpp_decode: the CUDA TPP kernel takes fp16/bf16 query (tensor cores), got ", dtype,
               "; use kernel='reference' for fp32");
-  TORCH_CHECK(key_cache.scalar_type() == dtype && out.scalar_type() == dtype, "tpp_decode: key_cache and out must "
-              "have the query's dtype ", dtype, " on CUDA, got ", key_cache.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK(a.key_cache.scalar_type() == dtype && out.scalar_type() == dtype, "tpp_decode: key_cache and out must "
+              "have the query's dtype ", dtype, " on CUDA, got ", a.key_cache.scalar_type(), " and ", out.scalar_type());
   TORCH_CHECK(s.head_size == 64 || s.head_size == 128 || s.head_size == 256,
               "tpp_decode: head_size must be 64, 128 or 256 on CUDA, got ", s.head_size);
   TORCH_CHECK(s.block_size > 0 && (s.block_size & (s.block_size - 1)) == 0,
               "tpp_decode: block_size must be a power of two on CUDA, got ", s.block_size);
   TORCH_CHECK(query.stride(0) % 8 == 0 && query.stride(1) % 8 == 0 && aligned16(query),
               "tpp_decode: query strides must be multiples of 8 elements and its data 16-byte aligned on CUDA");
-  for (const at::Tensor* t : {&key_cache, &value_cache})
+  for (const at::Tensor* t : {&a.key_cache, &a.value_cache})
     TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(2) % 8 == 0 &&
                     aligned16(*t),
                 "tpp_decode: key_cache and value_cache must be dense in head_size (flash layout), other strides "
@@ -60,7 +58,7 @@ inline void check_tensor_core_args(const TppSizes& s, const at::Tensor& query, c
   TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
               "tpp_decode: out strides must be even and its data 4-byte aligned on CUDA");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 8 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(a.partial_o.data_ptr()) % 8 == 0,
               "tpp_decode: partial_o's data must be 8-byte aligned on CUDA (read as float2)");
 }
 
@@ -114,11 +112,11 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   // choice and work.) Their grid: a CTA per (window, split) slot of the capacities' windows or a
   // single node's windows at the most splits, whichever is more, each running one item of the
   // real tree or none; or, where that grid is over kLoopWaves waves of resident CTAs, one wave of
-  // CTAs that loop over the real items (tpp_kernels.cuh). Measured on an H200 (2026-11-26, bench
-  // kernel --grid gpu, captured capacity plans vs eager): at b = 256 the capacity grid (9.7 waves,
-  // 2552 CTAs, most of them finding they have nothing to do) took up to 1.39x the eager time and
-  // the loop 1.12x; at b <= 128 (<= 4.8 waves) the loop's static share of items took up to 1.77x
-  // (uneven or gapped windows, no overlap with the final launch) and the grid 1.21x.
+  // CTAs that loop over the real items (tpp_kernels.cuh). Why both (H200, bench kernel --grid gpu,
+  // captured capacity plans against eager): at b = 256 the capacity grid (9.7 waves, 2552 CTAs,
+  // most of them finding they have nothing to do) takes up to 1.39x the eager time and the loop
+  // 1.12x; at b <= 128 (<= 4.8 waves) the loop's static share of items takes up to 1.77x (uneven
+  // or gapped windows, no overlap with the final launch) and the grid 1.21x.
   w.device_splits = num_nodes > 0 && num_nodes == num_seqs - 1 && forced_cs <= 0;
   if (w.device_splits) cs = 1;
   while (int64_t(cs) * num_partials + num_seqs * (ss - 1) > slots) {
@@ -149,15 +147,10 @@ inline bool kv_offsets_fit_i32(const at::Tensor& key_cache, const at::Tensor& va
 // Pointers, strides and the work decomposition of one call. `resident_ctas`: partial-kernel CTAs
 // the device runs at once (SMs x CTAs per SM); only host ints are read, so a captured CUDA graph
 // replays the result.
-inline TppParams make_tpp_params(
-    const TppSizes& s, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& node_block_indptr,
-    const at::Tensor& node_block_ids, const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
-    const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
-    const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o, const at::Tensor& partial_m,
-    const at::Tensor& partial_l, double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-    int64_t resident_ctas) {
-  const int64_t slots = std::min({partial_o.size(0), partial_m.size(0), partial_l.size(0)});
+inline TppParams make_tpp_params(const TppSizes& s, const TppArgs& a, int64_t resident_ctas) {
+  const at::Tensor &query = a.query, &key_cache = a.key_cache, &value_cache = a.value_cache;
+  const TppPlanTensors& plan = a.plan;
+  const int64_t slots = std::min({a.partial_o.size(0), a.partial_m.size(0), a.partial_l.size(0)});
   TORCH_CHECK(slots * s.num_heads < (int64_t(1) << 31), "tpp_decode: partial workspace too large for int32 indexing");
   TppParams p{};
   p.query = query.data_ptr();
@@ -171,25 +164,16 @@ inline TppParams make_tpp_params(
   p.v_stride_block = value_cache.stride(0);
   p.v_stride_tok = value_cache.stride(1);
   p.v_stride_head = value_cache.stride(2);
-  p.block_table = block_table.data_ptr<int>();
-  p.bt_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int>();
-  p.node_block_indptr = node_block_indptr.data_ptr<int>();
-  p.node_block_ids = node_block_ids.data_ptr<int>();
-  p.node_seq_indptr = node_seq_indptr.data_ptr<int>();
-  p.node_seq_ids = node_seq_ids.data_ptr<int>();
-  p.seq_partial_indptr = seq_partial_indptr.data_ptr<int>();
-  p.seq_partial_ids = seq_partial_ids.data_ptr<int>();
-  p.seq_num_shared_blocks = seq_num_shared_blocks.data_ptr<int>();
-  p.partial_o = partial_o.data_ptr<float>();
-  p.partial_m = partial_m.data_ptr<float>();
-  p.partial_l = partial_l.data_ptr<float>();
-  p.out = out.data_ptr();
-  p.out_stride_seq = out.stride(0);
-  p.out_stride_head = out.stride(1);
-  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  p.lse_stride_seq = lse.has_value() ? lse->stride(0) : 0;
-  p.lse_stride_head = lse.has_value() ? lse->stride(1) : 0;
+  static_cast<PlanArrays&>(p) = plan_arrays(plan);
+  p.partial_o = a.partial_o.data_ptr<float>();
+  p.partial_m = a.partial_m.data_ptr<float>();
+  p.partial_l = a.partial_l.data_ptr<float>();
+  p.out = a.out.data_ptr();
+  p.out_stride_seq = a.out.stride(0);
+  p.out_stride_head = a.out.stride(1);
+  p.lse = a.lse.has_value() ? a.lse->data_ptr<float>() : nullptr;
+  p.lse_stride_seq = a.lse.has_value() ? a.lse->stride(0) : 0;
+  p.lse_stride_head = a.lse.has_value() ? a.lse->stride(1) : 0;
   p.num_seqs = int(s.num_seqs);
   p.num_nodes = int(s.num_nodes);
   p.num_partials = int(s.num_partials);
@@ -197,9 +181,9 @@ inline TppParams make_tpp_params(
   p.num_kv_heads = int(s.num_kv_heads);
   p.group = p.num_heads / p.num_kv_heads;
   p.block_size_log2 = __builtin_ctz(unsigned(s.block_size));
-  p.scale_log2 = float(scale) * kLog2e;
+  p.scale_log2 = float(a.scale) * kLog2e;
 
-  const TppWork w = make_tpp_work(s, node_block_ids.size(0), block_table.size(1), slots, resident_ctas);
+  const TppWork w = make_tpp_work(s, plan.node_block_ids.size(0), plan.block_table.size(1), slots, resident_ctas);
   p.chunk_heads = w.chunk_heads;
   p.chunk_head_tiles = w.chunk_head_tiles;
   p.chunk_seqs = w.chunk_seqs;

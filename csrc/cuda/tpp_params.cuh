@@ -15,6 +15,8 @@
 
 #include <type_traits>
 
+#include "../tpp_plan_arrays.h"
+
 namespace chunkattn {
 
 constexpr int kWarps = 4;
@@ -39,7 +41,7 @@ struct TileShape {
   static constexpr int kRedBytes = (kWarps - 1) * 16 * (D + 2) * 4;
   static_assert(kRedBytes <= kKvBytes, "KV-part merge buffer aliases the KV stages");
   // A final CTA's list of the slots it merges, after the merge buffer in the idle KV stages
-  // (tpp_attend_tile.cuh, list_row_slots): this many at a time.
+  // (tpp_slot_merge.cuh, list_row_slots): this many at a time.
   static constexpr int kSlotListCap = (kKvBytes - kRedBytes) / 4;
   static constexpr int smem_bytes(int max_rows) {
     return ((kMetaBytes + 15) / 16) * 16 + max_rows * kLd * 2 + kKvBytes;
@@ -61,7 +63,7 @@ constexpr int tpp_partial_smem_bytes(int head_size) {
 // its smem (40 KB at head 128, from 73 KB) and 128 registers (final_min_ctas,
 // tpp_final_kernel's __launch_bounds__) let 4 CTAs share an SM, not 3. Why: the final launch
 // is 1024 CTAs of one q head at the paper's 32 x 32 heads, 2.6 waves of 396 on an H100, a third
-// of the decode with everything shared and all of it with nothing shared (ncu, 2026-11-26); at
+// of the decode with everything shared and all of it with nothing shared (Nsight Compute); at
 // 4 an SM they are 1.94 waves. Only half the CTA's warps then split a stage (kMaxParts = 2).
 // Head 256 already stages 32 tokens: the same kernel either way.
 constexpr int kCompactStageTokens = 32;
@@ -164,24 +166,15 @@ __host__ __device__ inline SplitQuery chunk_split_query(int64_t nodes, int64_t p
   return {windows * ctas_per_window, fixed, int(cap > 1 ? cap : 1), resident};
 }
 
-// Everything a launch reads. Strides are in elements; the last dim of every tensor is dense.
-struct TppParams {
+// Everything a launch reads: the plan's arrays (PlanArrays) and what follows. Strides are in
+// elements; the last dim of every tensor is dense.
+struct TppParams : PlanArrays {
   const void* query;
   int64_t q_stride_seq, q_stride_head;
   const void* key;
   int64_t k_stride_block, k_stride_tok, k_stride_head;
   const void* value;
   int64_t v_stride_block, v_stride_tok, v_stride_head;
-  const int* block_table;
-  int64_t bt_stride;
-  const int* seq_lens;
-  const int* node_block_indptr;
-  const int* node_block_ids;
-  const int* node_seq_indptr;
-  const int* node_seq_ids;
-  const int* seq_partial_indptr;
-  const int* seq_partial_ids;
-  const int* seq_num_shared_blocks;
   float* partial_o;  // [slots, num_heads, D] contiguous
   float* partial_m;  // [slots, num_heads] contiguous
   float* partial_l;

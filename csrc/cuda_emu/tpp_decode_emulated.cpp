@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <cstring>
-#include <optional>
 #include <vector>
 
 #include "../cuda/tpp_host.h"
@@ -62,41 +61,24 @@ void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, 
   }
 }
 
-void tpp_decode_emulated(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& block_table, const at::Tensor& seq_lens,
-                         const at::Tensor& node_block_indptr, const at::Tensor& node_block_ids,
-                         const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
-                         const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
-                         const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o,
-                         const at::Tensor& partial_m, const at::Tensor& partial_l, double scale,
-                         const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t resident_ctas,
-                         int64_t seed, bool cp_async_lands_at_issue) {
-  const TppSizes s = check_tpp_args(query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
-                                    node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
-                                    seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                    scale, out, lse);
-  check_tensor_core_args(s, query, key_cache, value_cache, partial_o, out);
-  const TppParams p = make_tpp_params(s, query, key_cache, value_cache, block_table, seq_lens, node_block_indptr,
-                                      node_block_ids, node_seq_indptr, node_seq_ids, seq_partial_indptr,
-                                      seq_partial_ids, seq_num_shared_blocks, partial_o, partial_m, partial_l,
-                                      scale, out, lse, resident_ctas);
+void tpp_decode_emulated(const TppArgs& a, int64_t resident_ctas, int64_t seed, bool cp_async_lands_at_issue) {
+  const TppSizes s = check_tpp_args(a);
+  check_tensor_core_args(s, a);
+  const TppParams p = make_tpp_params(s, a, resident_ctas);
   if (p.num_seqs == 0) return;
   g_last_kv_offsets_i32 = p.kv_offsets_i32;
   std::vector<simt::GlobalRange> globals;
-  for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_table, &seq_lens, &node_block_indptr,
-                              &node_block_ids, &node_seq_indptr, &node_seq_ids, &seq_partial_indptr,
-                              &seq_partial_ids, &seq_num_shared_blocks, &partial_o, &partial_m, &partial_l, &out}) {
-    TORCH_CHECK(t->device().is_cpu(), "chunkattn_simt.tpp_decode: every tensor must be on the CPU");
-    globals.push_back(bytes_of(*t));
-  }
-  if (lse.has_value()) globals.push_back(bytes_of(*lse));
+  a.for_each_tensor([&globals](const at::Tensor& t, const char*) {
+    TORCH_CHECK(t.device().is_cpu(), "chunkattn_simt.tpp_decode: every tensor must be on the CPU");
+    globals.push_back(bytes_of(t));
+  });
   simt::LaunchOptions o;
   o.seed = unsigned(seed);
   o.cp_async_lands_at_issue = cp_async_lands_at_issue;
-  const bool half = query.scalar_type() == at::kHalf;
+  const bool half = a.query.scalar_type() == at::kHalf;
   with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
-    emulate<typename decltype(t)::type, decltype(d)::value>(p, globals, o,
-                                                            {bytes_of(partial_o), bytes_of(partial_m), bytes_of(partial_l)});
+    emulate<typename decltype(t)::type, decltype(d)::value>(
+        p, globals, o, {bytes_of(a.partial_o), bytes_of(a.partial_m), bytes_of(a.partial_l)});
   });
 }
 
@@ -142,4 +124,6 @@ TORCH_LIBRARY(chunkattn_simt, m) {
         "int node_blocks, int table_width, int slots, int resident_ctas) -> int[]",
         &chunkattn::tpp_work);
 }
-TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) { m.impl("tpp_decode", &chunkattn::tpp_decode_emulated); }
+TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) {
+  m.impl("tpp_decode", &chunkattn::tpp_decode_entry<&chunkattn::tpp_decode_emulated, int64_t, int64_t, bool>);
+}

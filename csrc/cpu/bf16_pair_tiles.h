@@ -1,0 +1,130 @@
+// The bf16 tiles of the AVX512_BF16 and AMX attend kernels (attend_avx512_bf16.cpp,
+// attend_amx.cpp): KV tokens packed into the pair layout both instructions read, their prefetch,
+// and the fp32 online-softmax step that writes p in that layout. Include after vec_isa.h and
+// attend_impl.h, inside the anonymous namespace (see vec_isa.h).
+
+constexpr int kKeyTile = 64;  // keys of one score tile (S = Q.K^T, then P.V)
+
+// vdpbf16ps sums one pair of bf16 per 32-bit lane, so tiles are packed as pairs:
+//   kp[D/2][ks]:      lane t of row p = (k[t][2p], k[t][2p+1])   pairs along the head dim
+//   vp[n/2][D]:       lane d of row u = (v[2u][d], v[2u+1][d])   pairs along the tokens
+// and a query (or p) pair is broadcast to all lanes.
+alignas(64) const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                              21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                              11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// (a0 b0 a1 b1 ... a15 b15) from two rows of 16 bf16.
+inline __m512i interleave16(__m512i idx, __m256i a, __m256i b) {
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// Tokens are packed in runs of 16: block_size % 16 == 0 and t0 % 32 == 0 keep a run in one block.
+template <int D>
+void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, uint32_t* vp) {
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  const uint16_t* kd = static_cast<const uint16_t*>(a.k.data);
+  const uint16_t* vd = static_cast<const uint16_t*>(a.v.data);
+  const bool k_transposed = a.k.dim_stride != 1;
+  for (int i = 0; i < kTile; i += 16) {
+    if (i >= n) {  // whole run past the end: zeros (cache memory there may hold NaN)
+      for (int p = 0; p < D / 2; ++p) _mm512_storeu_si512(kp + p * ks + i, _mm512_setzero_si512());
+      for (int u = i / 2; u < (i + 16) / 2; ++u)
+        for (int c = 0; c < D; c += 16) _mm512_storeu_si512(vp + u * D + c, _mm512_setzero_si512());
+      continue;
+    }
+    const int valid = imin(16, n - i), tok = t0 + i;
+    const int64_t blk = a.block_ids[tok / a.block_size];
+    const int off = tok % a.block_size;
+    const uint16_t* kb = kd + blk * a.k.block_stride + a.kv_head * a.k.head_stride + off * a.k.token_stride;
+    const uint16_t* vb = vd + blk * a.v.block_stride + a.kv_head * a.v.head_stride + off * a.v.token_stride;
+    if (k_transposed) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      for (int p = 0; p < D / 2; ++p) {
+        __m256i k0 = _mm256_maskz_loadu_epi16(mask, kb + (2 * p) * a.k.dim_stride);
+        __m256i k1 = _mm256_maskz_loadu_epi16(mask, kb + (2 * p + 1) * a.k.dim_stride);
+        _mm512_storeu_si512(kp + p * ks + i, interleave16(idx, k0, k1));
+      }
+    } else {  // flash layout: a (2p, 2p+1) pair is one 32-bit word of the token's row
+      for (int j = 0; j < 16; ++j) {
+        const uint16_t* src = kb + j * a.k.token_stride;
+        for (int p = 0; p < D / 2; ++p) {
+          uint32_t w = 0;
+          if (j < valid) __builtin_memcpy(&w, src + 2 * p, 4);
+          kp[p * ks + i + j] = w;
+        }
+      }
+    }
+    for (int j = 0; j < 16; j += 2) {
+      const uint16_t* v0 = vb + j * a.v.token_stride;
+      const uint16_t* v1 = v0 + a.v.token_stride;
+      uint32_t* dst = vp + (i + j) / 2 * D;
+      for (int c = 0; c < D; c += 16) {
+        __m256i x0 = j < valid ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c))
+                               : _mm256_setzero_si256();
+        __m256i x1 = j + 1 < valid ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c))
+                                   : _mm256_setzero_si256();
+        _mm512_storeu_si512(dst + c, interleave16(idx, x0, x1));
+      }
+    }
+  }
+}
+
+// Prefetch KV tokens [t0, t0 + n) into L2 while the current tile is computed: paged blocks sit in
+// random order, so the hardware prefetchers lose the stream at every block boundary.
+template <int D>
+inline void prefetch_tokens(const AttendArgs& a, int t0, int n) {
+  const uint16_t* kd = static_cast<const uint16_t*>(a.k.data);
+  const uint16_t* vd = static_cast<const uint16_t*>(a.v.data);
+  const bool k_transposed = a.k.dim_stride != 1;
+  for (int i = 0; i < n; i += 16) {  // 16-token runs never cross a block (block_size % 16 == 0)
+    const int tok = t0 + i, off = tok % a.block_size;
+    const int64_t blk = a.block_ids[tok / a.block_size];
+    const uint16_t* kb = kd + blk * a.k.block_stride + a.kv_head * a.k.head_stride + off * a.k.token_stride;
+    const uint16_t* vb = vd + blk * a.v.block_stride + a.kv_head * a.v.head_stride + off * a.v.token_stride;
+    if (k_transposed) {
+      if (off % 32 == 0 || a.block_size == 16)  // a 64-byte line holds 32 tokens of one dim
+        for (int d = 0; d < D; ++d) _mm_prefetch(reinterpret_cast<const char*>(kb + d * a.k.dim_stride), _MM_HINT_T1);
+    } else {
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(kb + j * a.k.token_stride + c), _MM_HINT_T1);
+    }
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(vb + j * a.v.token_stride + c), _MM_HINT_T1);
+  }
+}
+
+// One online-softmax step per row over a key tile of n valid keys (n >= 1): s (raw dot products)
+// becomes p = exp(scale * s - m_new), stored to pb as bf16 pairs for P.V (padding keys give 0);
+// alpha = exp(m_old - m_new) rescales o; l sums the unrounded p.
+inline void softmax_rows(float* s, uint32_t* pb, float* m, float* l, float* alpha, int rows, int n,
+                         float scale_f) {
+  constexpr int NV = kKeyTile / 16;
+  const __m512 scale = _mm512_set1_ps(scale_f);
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+  for (int r = 0; r < rows; ++r) {
+    const float* row = s + r * kKeyTile;
+    __m512 x[NV];
+    __m512 mx = ninf;
+    for (int j = 0; j < NV; ++j) {
+      x[j] = _mm512_mul_ps(_mm512_loadu_ps(row + j * 16), scale);
+      const int valid = n - j * 16;  // padding keys -> -inf -> p = 0
+      if (valid < 16) x[j] = valid <= 0 ? ninf : _mm512_mask_mov_ps(ninf, (__mmask16)((1u << valid) - 1), x[j]);
+      mx = _mm512_max_ps(mx, x[j]);
+    }
+    const float m_tile = _mm512_reduce_max_ps(mx);
+    const float m_new = m_tile > m[r] ? m_tile : m[r];
+    alpha[r] = expf(m[r] - m_new);  // first tile: exp(-inf) = 0 wipes the zeroed o
+    const __m512 mn = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < NV; j += 2) {
+      __m512 p0 = IsaAvx512::exp(_mm512_sub_ps(x[j], mn));
+      __m512 p1 = IsaAvx512::exp(_mm512_sub_ps(x[j + 1], mn));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pb + r * (kKeyTile / 2) + j * 8, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    m[r] = m_new;
+  }
+}
