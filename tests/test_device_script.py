@@ -72,7 +72,7 @@ def _run_with_stand_ins(tmp_path, bin_dir, stages: str, python_body: str):
     ("refused", 0, "UNSUPPORTED here"), ("found_error", 1, "FAILED (rc 99)"), ("clean", 0, "ok")])
 def test_device_script_sanitizer_stages(tmp_path, case, want_rc, want_status):
     """run_on_device.sh itself, sanitizer stages only, with a stand-in python (the build 'passes')
-    and a stand-in compute-sanitizer on PATH: a refusal must not fail the call."""
+    and a stand-in compute-sanitizer on PATH: a refusal must not fail the run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _fake_tool(bin_dir / "compute-sanitizer", case)
@@ -84,9 +84,9 @@ def test_device_script_sanitizer_stages(tmp_path, case, want_rc, want_status):
     assert "build" in summary and "FAILED" not in summary.split("sanitizer-")[0]
 
 
-def test_flashinfer_warm_outlives_its_call_and_the_bench_call_waits_for_it(tmp_path):
+def test_flashinfer_warm_outlives_its_run_and_the_bench_run_waits_for_it(tmp_path):
     """STAGES=flashinfer-warm starts FlashInfer's JIT build detached and returns while it runs;
-    the later STAGES=bench call neither reinstalls the wheels under it nor times anything before
+    the later STAGES=bench run neither reinstalls the wheels under it nor times anything before
     it ends (a stand-in python whose warm-up blocks until released)."""
     record, release = tmp_path / "record", tmp_path / "release"
     fake_py = tmp_path / "python"
@@ -111,7 +111,7 @@ exit 0
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake_py),
            "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
            "CHUNKATTN_BUILD_DIR": str(tmp_path / "jit"), "FI_WHEELS": str(wheels),
-           "FI_SITE": str(site), "WARM_STATE": str(tmp_path / "warm"), "BUDGET_S": "120"}
+           "FI_SITE": str(site), "WARM_STATE": str(tmp_path / "warm"), "TIME_LIMIT_S": "120"}
 
     first = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
                            env={**env, "STAGES": "flashinfer-warm"}, timeout=120)
@@ -120,12 +120,13 @@ exit 0
     assert "flashinfer-warm        started detached" in summary
     # The modules compiled ahead of time are in place before the warm-up would build them.
     assert "flashinfer-aot         5 of 5 modules ready (stand-in)" in summary
+    _until(lambda: "warm-start" in record.read_text())   # the detached, niced build's start
     steps = record.read_text().split()
     aot = next(x for x in steps if x.startswith("aot|"))
     assert f"--site|{site}|--tar|{wheels}/flashinfer_aot_sm90a.tar.xz|" in aot
     assert steps.index(aot) < steps.index("warm-start")
     pid = int((tmp_path / "warm.pid").read_text())
-    os.kill(pid, 0)                                      # still building after its call returned
+    os.kill(pid, 0)                                      # still building after its run returned
     assert "warm-end" not in record.read_text()
 
     threading.Timer(1.5, release.touch).start()
@@ -134,16 +135,16 @@ exit 0
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert second.returncode == 0, summary
     assert re.search(r"flashinfer-wait +ok", summary) and re.search(r"flashinfer-jit +ok", summary)
-    assert "flashinfer             ok (installed by an earlier call)" in summary
+    assert "flashinfer             ok (installed by an earlier run)" in summary
     lines = [x for x in record.read_text().split() if not x.startswith("aot|")]
-    assert lines.count("pip") == 1                       # installed by the first call only
+    assert lines.count("pip") == 1                       # installed by the first run only
     detached_ends = max(i for i, x in enumerate(lines) if x == "warm-end")
     assert lines.index("bench") > detached_ends
     assert lines[:lines.index("bench")].count("warm-start") == 4     # detached, then cached
 
 
 DETACHED = ROOT / "benchmarks" / "gpu" / "detached_bench.sh"
-INSTALL = ROOT / "benchmarks" / "gpu" / "install_bundle.sh"
+INSTALL = ROOT / "benchmarks" / "gpu" / "offline" / "install_bundle.sh"
 
 
 def _detached_env(tmp_path: Path, fake_py: Path, **extra) -> dict:
@@ -167,10 +168,11 @@ def _until(cond, seconds=20.0):
         time.sleep(0.1)
 
 
-def test_detached_bench_runs_beside_the_part_calls_and_gates_the_gpu(tmp_path):
-    """STAGES=bench-detach: the call returns while the benchmarks run on (from a snapshot of the
-    tree, in their own session); the part calls report its progress; the GPU tests under vLLM
-    start only once it has ended; `collect` brings its files back with what ran beside it."""
+def test_detached_bench_runs_beside_the_bundle_collects_and_gates_the_gpu(tmp_path):
+    """STAGES=bench-detach: the script returns while the benchmarks run on (from a snapshot of
+    the tree, in a POSIX session of their own); the bundle's collects report its progress; the
+    GPU tests under vLLM start only once it has ended; `collect` brings its files back with what
+    ran beside it."""
     record, release = tmp_path / "record", tmp_path / "release"
     fake_py = tmp_path / "python"
     fake_py.write_text(f"""#!/bin/sh
@@ -188,14 +190,14 @@ exit 0
                            env={**env, "STAGES": "bench-detach"}, timeout=120)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert first.returncode == 0, summary
-    assert re.search(r"bench-detach +started \(pid \d+, BUDGET_S 480", summary), summary
+    assert re.search(r"bench-detach +started \(pid \d+, TIME_LIMIT_S 480", summary), summary
     pid = int((tmp_path / "bench" / "pid").read_text())
     try:
         _until(lambda: record.exists() and "bench-start" in record.read_text())
         assert f"bench-start {tmp_path / 'bench' / 'src'}" in record.read_text()   # the snapshot
-        assert os.getsid(pid) == pid                          # its own session: outlives the call
+        assert os.getsid(pid) == pid                # its own POSIX session: outlives the script
 
-        (tmp_path / "marker").write_text("t c02\nt c03\nt c04\n")             # three part calls
+        (tmp_path / "marker").write_text("t c02\nt c03\nt c04\n")             # three collects
         status = subprocess.run(["bash", str(DETACHED), "status"], env=env, capture_output=True,
                                 text=True, timeout=30).stdout
         assert "detached bench: running" in status and "bench-trees" in status, status
@@ -210,22 +212,22 @@ exit 0
             **env, "OUT": str(tmp_path / "back")}, capture_output=True, text=True, timeout=120)
         back = tmp_path / "back"
         text = (back / "summary.md").read_text()
-        assert "beside it: 3 part calls" in text and "rc 0" in text, collected.stdout
+        assert "beside it: 3 collects" in text and "rc 0" in text, collected.stdout
         assert re.search(r"bench-trees +ok", text), text
         assert (back / "detached_bench.log").exists() and (back / "results.tar.gz").exists()
-        assert len(list(back.iterdir())) <= 8                 # what the device tool brings back
+        assert len(list(back.iterdir())) <= 8                 # $OUT's at most 8 files
     finally:
         release.touch()
         _end_session(pid)
 
 
-def test_a_hung_detached_bench_is_ended_when_its_budget_is_spent(tmp_path):
-    """`wait` gives a detached bench its budget and the grace, then ends its whole session, so a
-    hang cannot hold the GPU from the install and the servers."""
+def test_a_hung_detached_bench_is_ended_when_its_time_limit_is_spent(tmp_path):
+    """`wait` gives a detached bench its time limit and the grace, then ends its whole POSIX
+    session, so a hang cannot hold the GPU from the install and the servers."""
     fake_py = tmp_path / "python"
     fake_py.write_text("#!/bin/sh\ntrap '' TERM\nwhile :; do sleep 0.2; done\n")   # hangs in 'env'
     fake_py.chmod(0o755)
-    env = _detached_env(tmp_path, fake_py, BENCH_BUDGET_S="16", BENCH_GRACE_S="0")
+    env = _detached_env(tmp_path, fake_py, BENCH_TIME_LIMIT_S="16", BENCH_GRACE_S="0")
     started = subprocess.run(["bash", str(DETACHED), "start"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
     assert "started" in started.stdout, started.stdout + started.stderr
@@ -240,29 +242,56 @@ def test_a_hung_detached_bench_is_ended_when_its_budget_is_spent(tmp_path):
         _end_session(pid)
 
 
-def test_the_session_plan_names_only_what_the_scripts_do():
-    """benchmarks/gpu/README.md is what a GPU session follows call by call, with no time to spare
-    for a typo: every `bash benchmarks/gpu/X.sh SUB` it names exists and takes SUB, and every
-    STAGES word it sets is one run_on_device.sh acts on."""
-    readme = (ROOT / "benchmarks" / "gpu" / "README.md").read_text()
-    calls = set(re.findall(r"bash (benchmarks/gpu/[a-z_]+\.sh)(?: ([a-z]+))?", readme))
+GPU_DIR = ROOT / "benchmarks" / "gpu"
+READMES = [GPU_DIR / "README.md", GPU_DIR / "offline" / "README.md", GPU_DIR / "rehearsal.md"]
+
+
+def test_the_readmes_name_only_what_the_scripts_do():
+    """What benchmarks/gpu's READMEs tell a user to run exists: every `bash benchmarks/gpu/X.sh
+    SUB` they name takes SUB, and every STAGES word they set is one run_on_device.sh acts on."""
+    text = "\n".join(p.read_text() for p in READMES)
+    calls = set(re.findall(r"bash (benchmarks/gpu/(?:offline/)?[a-z_]+\.sh)(?: ([a-z]+))?", text))
     assert ("benchmarks/gpu/detached_bench.sh", "collect") in calls
+    assert ("benchmarks/gpu/offline/install_bundle.sh", "install") in calls
     for script, sub in calls:
-        text = (ROOT / script).read_text()
+        body = (ROOT / script).read_text()
         if sub and script.endswith(("install_bundle.sh", "detached_bench.sh")):
-            assert re.search(rf"^  {sub}\)", text, re.M), f"{script} has no '{sub}'"
+            assert re.search(rf"^  {sub}\)", body, re.M), f"{script} has no '{sub}'"
         elif sub:                                      # serve_ab.sh: the system, or both
             assert sub in ("stock", "custom", "pair"), (script, sub)
-            cases = re.findall(r"^  ([\w|]+)\)", text, re.M)          # its `case $MODE in`
+            cases = re.findall(r"^  ([\w|]+)\)", body, re.M)          # its `case $MODE in`
             assert any(sub in c.split("|") for c in cases), f"{script} has no '{sub}'"
     acted_on = set(re.findall(r"\bwant ([a-z-]+)", DEVICE_SCRIPT.read_text()))
-    stages = {w for quoted, bare in re.findall(r'STAGES=(?:"([a-z -]+)"|([a-z-]+))', readme)
+    stages = {w for quoted, bare in re.findall(r'STAGES=(?:"([a-z -]+)"|([a-z-]+))', text)
               for w in (quoted or bare).split()}
     assert {"tests", "sanitizer", "bench", "bench-detach"} <= stages
     assert stages <= acted_on, stages - acted_on
 
 
-# ---- the overlapped final launch wrong on the GPU: the tests call turns it off for the session
+def test_the_readmes_steps_are_the_scripts_steps():
+    """README.md's table of run_on_device.sh's steps names each step by its summary line: every
+    name it lists is one the script writes, and every stage the script runs is listed."""
+    script = DEVICE_SCRIPT.read_text()
+    # `stage NAME ...` runs a step; `printf '%-22s ...' NAME` writes a summary line of its own.
+    staged = set(re.findall(r'\bstage "?([\w$-]+)"? \d+ "\$WORK/', script))
+    printed = set(re.findall(r"printf '%-22s[^']*' \"?([a-z][\w$-]*)", script))
+    assert {"env", "build", "gpu-tests", "bench-trees", "sanitizer-$tool"} <= staged, staged
+
+    def pattern(name: str) -> re.Pattern:             # $tool, $pt, ...: any word; README's *
+        return re.compile(re.sub(r"\\\$\w+", r"[\\w*-]+", re.escape(name)))
+
+    readme = (GPU_DIR / "README.md").read_text()
+    section = readme.split("## The kernel: run_on_device.sh", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    listed = [n for ln in rows for n in re.findall(r"`([\w*-]+)`", ln.split("|")[1])]
+    assert len(rows) >= 10 and "bench-trees" in listed, listed
+    for name in listed:
+        assert any(pattern(s).fullmatch(name) for s in staged | printed), f"no step {name!r}"
+    for s in staged:
+        assert any(pattern(s).fullmatch(name) for name in listed), f"README lacks {s!r}"
+
+
+# ---- the overlapped final launch wrong on the GPU: a tests run turns it off for later runs
 
 def _fake_pytest_python(path: Path, record: Path, main_failures: list[str], rerun_rc: int) -> Path:
     """A stand-in python: pytest writes junit XML (the main GPU run fails main_failures, the rerun
@@ -309,11 +338,11 @@ def _records(record: Path) -> list[dict]:
     return [json.loads(x) for x in record.read_text().splitlines()]
 
 
-def test_failures_the_serial_final_launch_fixes_turn_the_overlap_off_for_the_session(tmp_path):
+def test_failures_the_serial_final_launch_fixes_turn_the_overlap_off_for_later_runs(tmp_path):
     record = tmp_path / "record"
     fake_py = _fake_pytest_python(tmp_path / "python", record, OVERLAP_BROKE, rerun_rc=0)
-    session_env = tmp_path / "session.env"
-    env = _detached_env(tmp_path, fake_py, SESSION_ENV=str(session_env))
+    knobs_env = tmp_path / "knobs.env"
+    env = _detached_env(tmp_path, fake_py, KNOBS_ENV=str(knobs_env))
     r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "STAGES": "tests bench-detach"}, timeout=120)
     summary = (tmp_path / "out" / "summary.md").read_text()
@@ -325,8 +354,8 @@ def test_failures_the_serial_final_launch_fixes_turn_the_overlap_off_for_the_ses
         assert main == dict(pytest="gpu and not timeline", ids=[], knob=None)
         # only what failed, serialised, without the tests that force the overlap on
         assert rerun == dict(pytest="gpu and not overlap_on", ids=OVERLAP_BROKE, knob="0")
-        assert re.search(r"overlap-final +OFF for the session: the 2 failed GPU tests", summary)
-        assert session_env.read_text() == "export CHUNKATTN_OVERLAP_FINAL=0\n"
+        assert re.search(r"overlap-final +OFF for this host: the 2 failed GPU tests", summary)
+        assert knobs_env.read_text() == "export CHUNKATTN_OVERLAP_FINAL=0\n"
         assert re.search(r"bench-detach +started", summary), summary
         subprocess.run(["bash", str(DETACHED), "wait"], env=env, capture_output=True, timeout=60)
         benches = [x for x in _records(record) if "bench" in x]
@@ -341,14 +370,14 @@ def test_failures_the_serial_final_launch_fixes_turn_the_overlap_off_for_the_ses
 def test_a_failure_the_serial_final_launch_does_not_fix_stops_the_bench(tmp_path):
     record = tmp_path / "record"
     fake_py = _fake_pytest_python(tmp_path / "python", record, OVERLAP_BROKE, rerun_rc=1)
-    session_env = tmp_path / "session.env"
-    session_env.write_text("export CHUNKATTN_OVERLAP_FINAL=0\n")    # an earlier call's verdict
-    env = _detached_env(tmp_path, fake_py, SESSION_ENV=str(session_env))
+    knobs_env = tmp_path / "knobs.env"
+    knobs_env.write_text("export CHUNKATTN_OVERLAP_FINAL=0\n")      # an earlier run's verdict
+    env = _detached_env(tmp_path, fake_py, KNOBS_ENV=str(knobs_env))
     r = subprocess.run(["bash", str(DEVICE_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "STAGES": "tests bench-detach"}, timeout=120)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert r.returncode == 1, summary
-    assert "overlap-final" not in summary and not session_env.exists()    # decided afresh
+    assert "overlap-final" not in summary and not knobs_env.exists()      # decided afresh
     assert re.search(r"bench-detach +SKIPPED \(a test or the sanitizer failed\)", summary)
     assert [x["knob"] for x in _records(record) if "pytest" in x][:1] == [None]
 
@@ -383,7 +412,7 @@ exit 0""")
     points = ("llama_serve", "paper_shared", "paper_private", "llama_capacity")
     stalled = ("llama_serve", "paper_shared", "llama_capacity")
     ran = calls.read_text().splitlines()
-    # the served shape first (the budget cuts the last stages), then the stall reasons' metrics
+    # the served shape first (the time limit cuts the last stages), then the stall reasons' metrics
     # at it and the two latency-bound points, a process each
     assert [line.split()[-1] for line in ran] == [*points, *stalled]
     assert all("--clock-control none" in line and "-k regex:tpp_" in line for line in ran)

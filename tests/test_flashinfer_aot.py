@@ -1,7 +1,8 @@
-"""FlashInfer's modules compiled ahead of time (benchmarks/gpu/flashinfer_aot.py): what the device
-installs from a pack, what it refuses, and that a module that does not load is removed (so
-FlashInfer JIT-builds it as it would without the pack). Shared libraries made here with gcc stand
-in for the modules; the loader is ctypes (the device's is tvm_ffi.load_module after torch)."""
+"""FlashInfer's modules compiled ahead of time (benchmarks/gpu/offline/flashinfer_aot.py): what
+the GPU host installs from a pack, what it refuses, and that a module that does not load is
+removed (so FlashInfer JIT-builds it as it would without the pack). Shared libraries made here
+with gcc stand in for the modules; the loader is ctypes (the GPU host's is tvm_ffi.load_module
+after torch)."""
 from __future__ import annotations
 
 import io
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
-sys.path.insert(0, str(GPU))
+OFFLINE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "offline"
+sys.path.insert(0, str(OFFLINE))
 import flashinfer_aot as aot  # noqa: E402
 
 CTYPES_LOADER = "import ctypes\nctypes.CDLL(path)"

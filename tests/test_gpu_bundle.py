@@ -1,6 +1,7 @@
-"""The vLLM bundle for the lent GPU (benchmarks/gpu/bundle.py, install_bundle.sh): the committed
-manifest is self-consistent, the keep/carry decision follows the image's versions, and parts cut
-here reassemble through the device installer's own code (collect, marker, unpack)."""
+"""The vLLM bundle for a GPU host without network (benchmarks/gpu/offline/bundle.py,
+install_bundle.sh): the committed manifest is self-consistent, the keep/carry decision follows the
+image's versions, and parts cut here reassemble through the host installer's own code (collect,
+marker, unpack)."""
 from __future__ import annotations
 
 import hashlib
@@ -14,13 +15,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GPU = REPO / "benchmarks" / "gpu"
-sys.path.insert(0, str(GPU))
+OFFLINE = REPO / "benchmarks" / "gpu" / "offline"
+sys.path.insert(0, str(OFFLINE))
+sys.path.insert(1, str(OFFLINE.parent))     # import_probe.py, beside run_on_device.sh
 import bundle  # noqa: E402
 import device_image  # noqa: E402
 import recompress  # noqa: E402
 
-INSTALLER = GPU / "install_bundle.sh"
+INSTALLER = OFFLINE / "install_bundle.sh"
 
 
 def _manifest(path: Path) -> dict[str, list[list[str]]]:
@@ -68,7 +70,7 @@ def test_committed_manifest_is_consistent(release):
     carried = {w.split("-")[0].lower() for w in wheels}
     for name in device_image.OPTIONAL_MODULES:      # optional imports never travel
         assert name.replace(".", "_") not in carried
-    # vLLM first on the image's torch; torch's stack, then NCCL, only if the device asks
+    # vLLM first on the image's torch; torch's stack, then NCCL, only if the host asks
     assert [g[0] for g in m["group"]] == groups
     by_group = {}
     for group, _, _, _, fname in m["wheel"]:
@@ -143,9 +145,9 @@ def _members(whl: Path) -> list[tuple]:
 
 @pytest.mark.parametrize("part_bytes", [4096, 7000])
 def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_bytes):
-    """bundle._pack's parts, carried one per call, unpack through the installer's own code:
-    big wheels re-compressed and back, the torch group optional (the image's torch stands in)
-    and the nccl group optional after it (the shim stands in)."""
+    """bundle._pack's parts, copied and collected one at a time, unpack through the installer's
+    own code: big wheels re-compressed and back, the torch group optional (the image's torch
+    stands in) and the nccl group optional after it (the shim stands in)."""
     bundle_dir = tmp_path / "bundle"
     monkeypatch.setattr(bundle, "BUNDLE", bundle_dir)
     monkeypatch.setattr(bundle, "PART_BYTES", part_bytes)
@@ -169,9 +171,9 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
             for ln in layout if ln.startswith("group ")}
     core_parts = (ends["core"] + part_bytes - 1) // part_bytes
     torch_parts = (ends["torch"] + part_bytes - 1) // part_bytes
-    assert len(rows) > torch_parts > core_parts      # torch and nccl need calls of their own
+    assert len(rows) > torch_parts > core_parts      # torch and nccl need parts of their own
 
-    carried = tmp_path / "carried"          # what one device call holds: a single cNN folder
+    carried = tmp_path / "carried"          # what one copy holds: a single cNN folder
     env = {"VLLM_MANIFEST": str(manifest), "VLLM_BUNDLE_DIR": str(carried),
            "VLLM_PARTS": str(tmp_path / "parts"), "VLLM_WHEELS": str(tmp_path / "wheels"),
            "VLLM_MARKER": str(tmp_path / "marker")}
@@ -197,7 +199,7 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
         assert out.returncode == 0, out.stdout + out.stderr
         assert ("no marker" if i == 0 else "marker found") in out.stdout
         assert f"part {name} ok" in out.stdout
-        for f in carried.iterdir():             # the next call carries another folder
+        for f in carried.iterdir():             # the next copy brings another folder
             for p in f.iterdir():
                 p.unlink()
             f.rmdir()
@@ -216,7 +218,7 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
             assert "nccl group not carried" in out.stdout
             check_unpacked([w.name for g in ("core", "torch") for w in groups[g]])
     assert "group core: complete" in out.stdout and "group nccl: complete" in out.stdout
-    folder, name = rows[0][:2]                              # an earlier call's folder left over
+    folder, name = rows[0][:2]                              # an earlier copy's folder left over
     (carried / folder).mkdir(parents=True)
     (carried / folder / name).write_bytes((bundle_dir / folder / name).read_bytes())
     out = _installer(env, "collect")
@@ -237,7 +239,7 @@ def test_parts_reassemble_through_the_installer(tmp_path, monkeypatch, part_byte
 def test_rebuild_from_manifest_checks_wheels_and_rewrites_only_the_packing(tmp_path, monkeypatch,
                                                                           capsys):
     """--from-manifest: the manifest's wheels (checksums checked) packed again; parts packed
-    differently (another liblzma) rewrite only the group / part lines, which the device reads."""
+    differently (another liblzma) rewrite only the group / part lines, which the host reads."""
     bundle_dir = tmp_path / "bundle"
     wheels = bundle_dir / "wheels"
     wheels.mkdir(parents=True)
@@ -282,7 +284,7 @@ def test_recompressed_wheel_is_deterministic_and_installs(tmp_path, monkeypatch)
     dest = tmp_path / "device"
     dest.mkdir()
     (dest / first.name).write_bytes(first.read_bytes())
-    out = subprocess.run([sys.executable, str(GPU / "recompress.py"), "inflate", str(dest)],
+    out = subprocess.run([sys.executable, str(OFFLINE / "recompress.py"), "inflate", str(dest)],
                          capture_output=True, text=True)
     assert out.returncode == 0 and f"inflated {whl.name}" in out.stdout, out.stderr
     stored = dest / whl.name
@@ -298,7 +300,7 @@ def test_recompressed_wheel_is_deterministic_and_installs(tmp_path, monkeypatch)
     damaged = bytearray(first.read_bytes())          # xz's CRC catches a flipped byte
     damaged[len(damaged) // 2] ^= 0x40
     (dest / first.name).write_bytes(damaged)
-    out = subprocess.run([sys.executable, str(GPU / "recompress.py"), "inflate", str(dest)],
+    out = subprocess.run([sys.executable, str(OFFLINE / "recompress.py"), "inflate", str(dest)],
                          capture_output=True, text=True)
     assert out.returncode != 0
 
@@ -311,7 +313,7 @@ def test_nccl_compat_defines_the_missing_symbols_and_fails_loudly(tmp_path):
     so.parent.mkdir()
     env = {"VLLM_SITE": str(so.parent)}
     assert "LD_PRELOAD" not in _installer(env, "env").stdout
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(so), str(GPU / "nccl_compat.c")],
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(so), str(OFFLINE / "nccl_compat.c")],
                    check=True)
     nm = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True)
     exported = {ln.split()[-1] for ln in nm.stdout.splitlines() if " T " in ln}
@@ -328,8 +330,8 @@ def test_nccl_compat_defines_the_missing_symbols_and_fails_loudly(tmp_path):
 
 def test_installer_script_parses():
     assert subprocess.run(["bash", "-n", str(INSTALLER)]).returncode == 0
-    # its check runs on the device only: at least it must compile
-    compile((GPU / "install_check.py").read_text(), "install_check.py", "exec")
+    # its check runs on the GPU host only: at least it must compile
+    compile((OFFLINE / "install_check.py").read_text(), "install_check.py", "exec")
 
 
 def test_the_installer_takes_each_releases_bundle(tmp_path, release):
@@ -338,11 +340,11 @@ def test_the_installer_takes_each_releases_bundle(tmp_path, release):
     nothing carried collect names exactly that manifest's groups and parts as missing. A release
     without a bundle is refused."""
     repo = tmp_path / "repo"                      # the scripts beside both manifests, no parts
-    (repo / "benchmarks" / "gpu").mkdir(parents=True)
+    (repo / "benchmarks" / "gpu" / "offline").mkdir(parents=True)
     manifests = [manifest for manifest, _, _ in bundle.RELEASES.values()]
-    for f in ["install_bundle.sh", "detached_bench.sh", *manifests]:
-        (repo / "benchmarks" / "gpu" / f).write_bytes((GPU / f).read_bytes())
-    script = repo / "benchmarks" / "gpu" / "install_bundle.sh"
+    for f in ["offline/install_bundle.sh", "detached_bench.sh", *(f"offline/{m}" for m in manifests)]:
+        (repo / "benchmarks" / "gpu" / f).write_bytes((OFFLINE.parent / f).read_bytes())
+    script = repo / "benchmarks" / "gpu" / "offline" / "install_bundle.sh"
     env = {**os.environ, "PYTHON": sys.executable, "VLLM_RELEASE": release,
            "VLLM_PARTS": str(tmp_path / "parts"), "VLLM_MARKER": str(tmp_path / "marker"),
            "BENCH_STATE": str(tmp_path / "bench")}
@@ -371,24 +373,39 @@ def test_the_installer_takes_each_releases_bundle(tmp_path, release):
     assert out.returncode == 2 and "no bundle for it" in out.stdout
 
 
-def test_every_part_call_fits_what_a_device_call_carries(release):
-    """Each part call carries the working tree (tracked files and untracked ones git does not
-    ignore) beside its part: a big file committed or left lying in the checkout would make every
-    part call of a GPU session fail (the device tool's limit is 64 MiB a call)."""
-    tree, call = bundle.largest_call_bytes()
+def test_every_part_fits_the_transfer_limit_beside_the_checkout(release):
+    """A transfer that carries the checkout (tracked files and untracked ones git does not
+    ignore) beside one part must stay under the default transfer limit (64 MiB): a big file
+    committed or left lying in the checkout would make every such transfer too big."""
+    tree, transfer = bundle.largest_transfer_bytes()
     assert tree > 1 << 20                       # the tree was counted (sources, results, models)
-    assert call < bundle.CALL_BYTES, (
-        f"the tree ({tree / 2**20:.2f} MiB) + the largest part come to {call / 2**20:.2f} MiB: "
+    assert transfer < bundle.TRANSFER_BYTES, (
+        f"the tree ({tree / 2**20:.2f} MiB) + the largest part come to {transfer / 2**20:.2f} MiB: "
         f"keep big files out of the checkout or git-ignore them")
+
+
+def test_the_part_size_and_the_transfer_limit_are_flags(monkeypatch):
+    """--part-mib / --transfer-mib set what build, resplit and status cut and check against (a
+    transfer limit of the user's choosing); closure takes neither."""
+    for name in ("RELEASE", "BUNDLE", "MANIFEST", "PART_BYTES", "TRANSFER_BYTES"):
+        monkeypatch.setattr(bundle, name, getattr(bundle, name))
+    seen = []
+    monkeypatch.setattr(bundle, "resplit",
+                        lambda args: seen.append((bundle.PART_BYTES, bundle.TRANSFER_BYTES)))
+    bundle.main(["resplit"])
+    bundle.main(["resplit", "--part-mib", "20", "--transfer-mib", "32"])
+    assert seen == [(50 << 20, 64 << 20), (20 << 20, 32 << 20)]
+    with pytest.raises(SystemExit):
+        bundle.main(["closure", "--python", "python3", "--part-mib", "20"])
 
 
 def test_env_keeps_the_v2_samplers_choice_off_flashinfer(tmp_path):
     """FlashInfer does not travel (the manifest), and vLLM 0.32's V2 model runner imports its
-    FlashInfer attention backend to choose a sampler on CUDA: the first GPU serve died there
-    (H100, 2026-11-26). Under `install_bundle.sh env` that choice is made without FlashInfer;
-    without the export it imports the missing module, as on the device."""
+    FlashInfer attention backend to choose a sampler on CUDA: a GPU server without FlashInfer
+    dies there. Under `install_bundle.sh env` that choice is made without FlashInfer; without
+    the export it imports the missing module, as on the GPU host."""
     pytest.importorskip("vllm")
-    manifest = _manifest(GPU / "bundle_manifest.txt")
+    manifest = _manifest(OFFLINE / "bundle_manifest.txt")
     shipped = [" ".join(row).lower() for kind in ("wheel", "reserve") for row in manifest[kind]]
     assert any("vllm-0.32.0" in row for row in shipped)
     assert not any("flashinfer" in row for row in shipped)
@@ -446,7 +463,7 @@ def test_resplit_cuts_the_same_bytes_at_a_new_part_size(tmp_path, monkeypatch):
     text = bundle.MANIFEST.read_text().splitlines()
     assert text[0] == "# head" and "# tail" in text and "closure x 1" in text
     assert sum(ln.startswith("# group ") for ln in text) == 2
-    assert f"# {len(sizes)} parts of <= 0 MiB: {bundle.BUNDLE.name}/c01 .. c{len(sizes):02d}, one carried per device call" in text
+    assert f"# {len(sizes)} parts of <= 0 MiB: {bundle.BUNDLE.name}/c01 .. c{len(sizes):02d}, a folder each" in text
     last = (int(m["group"][-1][1]) + int(m["group"][-1][2]) - 1) // 4096 + 1
     assert any(ln.startswith("# group nccl:") and ln.split(" (")[0].endswith(f"-{last}") for ln in text)
     (bundle_dir / "c01" / "bundle.part01").write_bytes(b"x")   # a part that is not the manifest's

@@ -90,7 +90,7 @@ def test_samples_are_tagged_with_the_workload_and_cover_both_processes(tmp_path,
     assert reads_busy(by_metric["api_server_cpu_pct"])            # the busy loop
     assert max(by_metric["engine_core_cpu_pct"]) < 20             # found, and idle
     assert "client_cpu_pct" not in by_metric                      # no `vllm bench serve` ran
-    # gpu_busy_pct only where NVML answers (the device machine), never made up elsewhere
+    # gpu_busy_pct only where NVML answers (a GPU host), never made up elsewhere
     assert ("gpu_busy_pct" in by_metric) == (_module().nvml_busy() is not None)
 
 
@@ -110,7 +110,7 @@ def test_with_several_api_servers_the_busiest_is_sampled_and_the_client_too(tmp_
     """--api-server-count 2: the `vllm serve` process only watches its VLLM::APIServer_i
     children; the sampled share is the busiest one's (one saturated server is the limit, not the
     sum). The `vllm bench serve` process sending to this server is sampled as client_cpu_pct,
-    not the idle `timeout` above it (the H200's round 3 read 0 % all along)."""
+    not the idle `timeout` above it (which reads 0 % all along)."""
     spawn = ("import subprocess, sys, time\n"
              f"for code, title in (({BUSY!r}, 'VLLM::APIServer_0'), ({IDLE!r}, 'VLLM::APIServer_1'),"
              f" ({IDLE!r}, 'VLLM::EngineCore')):\n"

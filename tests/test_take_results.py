@@ -1,4 +1,4 @@
-"""benchmarks/gpu/take_results.py: a device call's results land under the GPU's name, the earlier
+"""benchmarks/gpu/take_results.py: a GPU run's results land under the GPU's name, the earlier
 run's files are kept under their commit, and the two grids are set side by side with FlashInfer's
 own change as the yardstick. The earlier run is the H100's committed grid."""
 from __future__ import annotations
@@ -45,10 +45,10 @@ def _new_grid_csv() -> tuple[str, dict]:
     return buf.getvalue(), old_point
 
 
-def _files_at(tmp: Path, grid_csv: str) -> Path:
-    files_at = tmp / "files_at"
-    files_at.mkdir()
-    (files_at / "summary.md").write_text(f"== summary (2026-11-28T00:00:00Z, {NEW})\ntests  ok\n")
+def _run_out(tmp: Path, grid_csv: str) -> Path:
+    run_out = tmp / "run_out"
+    run_out.mkdir()
+    (run_out / "summary.md").write_text(f"== summary (2026-11-28T00:00:00Z, {NEW})\ntests  ok\n")
     members = {
         "bench/kernel_cuda_gpu.md": f"# TPP decode\nDevice: NVIDIA H100; commit {NEW}; wall 19 s\n",
         "bench/kernel_cuda_gpu.csv": grid_csv,
@@ -57,20 +57,20 @@ def _files_at(tmp: Path, grid_csv: str) -> Path:
         "microbench_float16.json": json.dumps({"results": [{"shape": "a", "tpp_us": 1.0}]}),
         "microbench_bfloat16.json": json.dumps({"results": [{"shape": "a", "tpp_us": 2.0}]}),
     }
-    with tarfile.open(files_at / "results.tar.gz", "w:gz") as tar:
+    with tarfile.open(run_out / "results.tar.gz", "w:gz") as tar:
         for name, text in members.items():
             data = text.encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    return files_at
+    return run_out
 
 
 OLD = "2e01a0f"
 
 
 def _results_dir(tmp: Path) -> Path:
-    """The results folder before the call: the committed H100 grid and microbench, and .md files
+    """The results folder before the run: the committed H100 grid and microbench, and .md files
     whose provenance names commit OLD (a later H100 run may replace the committed ones)."""
     out = tmp / "results"
     out.mkdir()
@@ -83,9 +83,9 @@ def _results_dir(tmp: Path) -> Path:
 
 def test_a_call_lands_under_the_gpu_name_and_keeps_the_earlier_run(tmp_path):
     grid_csv, old_point = _new_grid_csv()
-    files_at, out = _files_at(tmp_path, grid_csv), _results_dir(tmp_path)
+    run_out, out = _run_out(tmp_path, grid_csv), _results_dir(tmp_path)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    done = subprocess.run([sys.executable, str(SCRIPT), str(files_at), "--gpu", "h100", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), str(run_out), "--gpu", "h100", "--out", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert (out / "kernel_cuda_gpu_h100.csv").read_bytes() == grid_csv.encode()
@@ -112,11 +112,11 @@ def test_a_call_lands_under_the_gpu_name_and_keeps_the_earlier_run(tmp_path):
 
 def test_a_second_import_of_the_same_call_changes_nothing(tmp_path):
     grid_csv, _ = _new_grid_csv()
-    files_at, out = _files_at(tmp_path, grid_csv), _results_dir(tmp_path)
+    run_out, out = _run_out(tmp_path, grid_csv), _results_dir(tmp_path)
     mod = _module()
-    mod.take(files_at, "h100", out)
+    mod.take(run_out, "h100", out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    again = mod.take(files_at, "h100", out)
+    again = mod.take(run_out, "h100", out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not any(line.startswith("kept:") for line in again)
 
@@ -131,11 +131,11 @@ def test_a_folder_without_the_tarball_is_a_clear_error(tmp_path):
 
 def test_an_earlier_run_is_kept_under_the_tree_it_ran_and_never_over_a_kept_file(tmp_path):
     """The H200's grid of 3fbe78e says `commit 81f9c98+changes (the tree of 3fbe78e)`, with a grid
-    of 81f9c98 kept beside it: as the results folder stood before the tenth session's call, whose
-    import had overwritten that grid. The earlier run goes to _3fbe78e, _81f9c98 stays as it was;
+    of 81f9c98 kept beside it: as the results folder stood once an import had overwritten that
+    grid. The earlier run goes to _3fbe78e, _81f9c98 stays as it was;
     a kept name taken by other bytes gets _2 rather than losing either file."""
     grid_csv, _ = _new_grid_csv()
-    files_at, out = _files_at(tmp_path, grid_csv), tmp_path / "results"
+    run_out, out = _run_out(tmp_path, grid_csv), tmp_path / "results"
     out.mkdir()
     committed = {"kernel_cuda_gpu_h200.md": "kernel_cuda_gpu_h200_3fbe78e.md",
                  "kernel_cuda_gpu_h200.csv": "kernel_cuda_gpu_h200_3fbe78e.csv",
@@ -144,7 +144,7 @@ def test_an_earlier_run_is_kept_under_the_tree_it_ran_and_never_over_a_kept_file
     for name, source in committed.items():
         shutil.copyfile(RESULTS / source, out / name)
     (out / "tpot_cuda_h200_3fbe78e.md").write_text("another run of that tree\n")
-    done = _module().take(files_at, "h200", out)
+    done = _module().take(run_out, "h200", out)
     assert "kept: kernel_cuda_gpu_h200.md -> kernel_cuda_gpu_h200_3fbe78e.md" in done
     for kept, name in (("kernel_cuda_gpu_h200_3fbe78e.md", "kernel_cuda_gpu_h200.md"),
                        ("kernel_cuda_gpu_h200_3fbe78e.csv", "kernel_cuda_gpu_h200.csv"),

@@ -4,7 +4,7 @@ with the chunk prefix tree on a CUDA build of vLLM: vLLM 0.33 has no CPU wheel, 
 its scheduler runs beside ours here. Without a driver vLLM's extensions need a stub libcuda.so.1
 (import_probe re-executes the process with one when none loads).
 
-Usage (benchmarks/gpu/README.md, "vLLM 0.33 without a GPU"):
+Usage (benchmarks/gpu/rehearsal.md, "vLLM 0.33 without a GPU"):
   PYTHONPATH=$PWD/benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/test_async_scheduling.py
 """
 import rehearse_cuda_glue

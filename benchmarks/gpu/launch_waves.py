@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from vllm_chunkattn.bench.kernel_trees import ALL_GPU, GRIDS, tree_block_table
-from vllm_chunkattn.ops import TppWorkspace
+from vllm_chunkattn.plan import TppWorkspace
 from vllm_chunkattn.ops.jit_build import load_simt_emulation
 from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.testing import chunk_ctas_with_rows, tpp_work
+from vllm_chunkattn.bench.cuda_work import chunk_ctas_with_rows, tpp_work
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""Hardware counters of our CUDA kernels at the points furthest from their goals (issue #9) and
-at the shape the H100's serving A/B decodes (issue #10), for Nsight Compute: run_on_device.sh
+"""Hardware counters of our CUDA kernels at the points furthest from their goals and at the
+shape the H100's served A/B decodes, for Nsight Compute: run_on_device.sh
 runs each point in its own `ncu -k regex:tpp_` process and `--summary` turns the CSVs into one
 table.
 
@@ -14,8 +14,8 @@ Points (one layer, one decode step), the bench's own (kernel_trees.py grids, sam
                  it the tensor pipe, shared memory, L2 or the barriers?)
   paper_shared:  paper "n_p=4096 n_s=4096": b=32, 32/32 heads, fp16, block 64 (27.6 % of roofline)
   paper_private: paper "n_p=4096 n_s=0", nothing shared (0.85x FlashInfer decode)
-  llama_capacity: llama8b "b=32 P=4096 S=128", the plan padded as for a CUDA graph (was 0.23x
-                  eager: the KV splits its CTAs now choose)"""
+  llama_capacity: llama8b "b=32 P=4096 S=128", the plan padded as for a CUDA graph (its CTAs
+                  choose their KV splits from the real plan)"""
 from __future__ import annotations
 
 import csv

@@ -1,5 +1,5 @@
 """What of the GPU serving path runs without a GPU: vLLM 0.32.0 for CUDA (the bundle) on a
-stand-in of the device image, vLLM's CUDA platform forced as an H100 (import_probe.py), no
+stand-in of the GPU host's image, vLLM's CUDA platform forced as an H100 (import_probe.py), no
 driver. Checks that --attention-backend CUSTOM selects our backend on the CUDA platform for every
 block size the kernel takes (stock picks FLASH_ATTN), that the tree's async scheduler is
 installed with async scheduling and FULL_AND_PIECEWISE graphs left on, and that ChunkAttnImpl and
@@ -10,8 +10,8 @@ cache with the flag where the config is built. torch has no
 driver here, so the device's properties are an H100's (or the L4's) as torch would report them.
 Exit 1 on any failure.
 
-Usage (benchmarks/gpu/README.md, "Rehearsal without a GPU"):
-  eval "$(VLLM_SITE=... bash benchmarks/gpu/install_bundle.sh env)"
+Usage (benchmarks/gpu/rehearsal.md):
+  eval "$(VLLM_SITE=... bash benchmarks/gpu/offline/install_bundle.sh env)"
   CHUNKATTN_ALLOW_REFERENCE=1 python benchmarks/gpu/rehearse_cuda_glue.py
 """
 from __future__ import annotations
@@ -131,7 +131,7 @@ def refused_where_it_cannot_serve(cfg) -> list[str]:
 
 def refused_where_the_config_is_built(model) -> list[str]:
     """A quantized KV cache (an fp8 cache is common on GPUs) with CUSTOM: the config's own
-    construction on the CUDA platform refuses it (plugin/exactness.py); stock takes it."""
+    construction on the CUDA platform refuses it (plugin/support.py); stock takes it."""
     from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     failures = []

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# One device call for the CUDA kernel (device tool `run`, repo root; the exact call and what
-# comes back: benchmarks/gpu/README.md):
-#   env -> FlashInfer wheels (if carried) -> JIT build -> GPU tests -> host-side CUDA tests ->
-#   compute-sanitizer memcheck + racecheck on small trees -> FlashInfer JIT warm-up -> tree grids
-#   vs FlashInfer (bench kernel --grid gpu) -> microbench -> bench kernel goals / full grids.
-# Every stage gets at most its cap and what is left of BUDGET_S (default 470 s), so the script
-# ends in under 8 minutes whatever hangs; the summary names each stage ok / FAILED / CUT / SKIPPED.
-# The device tool returns at most 8 files from $OUT, so everything lands in $WORK and $OUT gets
-# the summary, the logs worth reading first, the result tables and results.tar.gz of it all.
+# The CUDA kernel built, tested and measured on one NVIDIA GPU, from the repo root (README.md):
+#   env -> FlashInfer (installed, or from offline/wheels) -> JIT build -> GPU tests -> host-side
+#   CUDA tests -> compute-sanitizer memcheck + racecheck on small trees -> FlashInfer JIT warm-up
+#   -> tree grids vs FlashInfer (bench kernel --grid gpu) -> decode TPOT -> microbench -> bench
+#   kernel goals / full grid.
+# Every stage gets at most its cap and what is left of TIME_LIMIT_S (default 470 s), so the
+# script ends in under 8 minutes whatever hangs; the summary names each stage ok / FAILED / CUT /
+# SKIPPED. Everything lands in $WORK; $OUT gets at most 8 files: the summary, the logs worth
+# reading first, the result tables and results.tar.gz of it all.
 # Exit status: 1 when the build, a test or the sanitizer failed (bench failures: see summary).
-# Knobs: BUDGET_S, STAGES ("tests sanitizer bench"; add ncu for Nsight Compute counters at the
-# points furthest from their goals, ncu_points.py), FULL_GRID_MIN_S (200), PYTHON, MAX_JOBS.
-# STAGES may add flashinfer-warm: FlashInfer's JIT build started detached (it outlives the call
-# on the warm machine), so a later STAGES=bench call finds it built (it waits for it if not done);
-# or bench-detach: the whole bench stage detached (detached_bench.sh), collected by a later call.
+# Knobs: TIME_LIMIT_S, STAGES ("tests sanitizer bench"; add ncu for Nsight Compute counters at
+# the points furthest from their goals, ncu_points.py), FULL_GRID_MIN_S (200), PYTHON, MAX_JOBS.
+# STAGES may add flashinfer-warm: FlashInfer's JIT build started detached (it outlives the
+# script), so a later STAGES=bench run finds it built (it waits for it if not done); or
+# bench-detach: the whole bench stage detached (detached_bench.sh), collected later.
 set -uo pipefail
 OUT=${OUT:-/tmp/chunkattn_out}
 WORK=${WORK:-/tmp/chunkattn_run}
@@ -22,14 +22,14 @@ rm -rf "$WORK" && mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CHUNKATTN_BUILD_DIR=${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=${MAX_JOBS:-16}
 export CHUNKATTN_NVCC_FLAGS=${CHUNKATTN_NVCC_FLAGS:--Xptxas=-v}   # registers / spills in build.log
-DEADLINE=$(( $(date +%s) + ${BUDGET_S:-470} ))
-STAGES=${STAGES:-"tests sanitizer bench"}    # e.g. STAGES=bench on a second, warm call
+DEADLINE=$(( $(date +%s) + ${TIME_LIMIT_S:-470} ))
+STAGES=${STAGES:-"tests sanitizer bench"}    # e.g. STAGES=bench to rerun the benchmarks alone
 SUMMARY="$WORK/summary.txt"
-SESSION_ENV=${SESSION_ENV:-/tmp/chunkattn_session.env}
+KNOBS_ENV=${KNOBS_ENV:-/tmp/chunkattn_knobs.env}  # knobs the GPU tests settled for later runs
 FAILED=0
 WARM_STATE=${WARM_STATE:-/tmp/flashinfer_warm}   # .pid / .log of a detached warm-up
-FI_WHEELS=${FI_WHEELS:-benchmarks/gpu/wheels}     # FlashInfer's wheels, carried
-FI_SITE=${FI_SITE:-/tmp/site}                     # ... installed there (pip --target)
+FI_WHEELS=${FI_WHEELS:-benchmarks/gpu/offline/wheels}   # FlashInfer's wheels, for a host
+FI_SITE=${FI_SITE:-/tmp/site}                     # without network: installed there (pip --target)
 # FlashInfer's d = 128 modules for both dtypes, built in parallel (half the cores each: cutlass
 # units take GBs of host memory apiece) by running each wrapper once.
 # shellcheck disable=SC2016  # expanded by the inner bash
@@ -45,7 +45,7 @@ stage() {
   shift 3
   left=$(( DEADLINE - $(date +%s) ))
   if (( left < 15 )); then
-    printf '%-22s SKIPPED (budget spent)\n' "$name" >> "$SUMMARY"
+    printf '%-22s SKIPPED (time limit reached)\n' "$name" >> "$SUMMARY"
     return 124
   fi
   (( cap > left )) && cap=$left
@@ -78,23 +78,27 @@ stage env 60 "$WORK/env.log" env PY="$PY" bash -c '
   echo "C++ compiler $cxx: $("$cxx" --version | head -1)"
   nproc; free -g | head -2'
 
-# ---- FlashInfer from carried wheels (benchmarks/gpu/fetch_wheels.sh), into $FI_SITE
+# ---- FlashInfer, the baseline: installed (pip install flashinfer-python), or from the wheels
+# offline/fetch_wheels.sh downloads for a host without network, into $FI_SITE
 fi_ok=0
 if compgen -G "$FI_WHEELS/*.whl" > /dev/null; then
-  # Installed once per warm machine: a detached warm-up (flashinfer-warm) may still be compiling
-  # from $FI_SITE, which a reinstall would pull from under it.
+  # Installed once per host: a detached warm-up (flashinfer-warm) may still be compiling from
+  # $FI_SITE, which a reinstall would pull from under it.
   stamp=$(stat -c '%s %n' "$FI_WHEELS"/*.whl | sha256sum | cut -c1-16)
   if [ "$(cat "$FI_SITE/.wheels_stamp" 2>/dev/null)" = "$stamp" ]; then
-    printf '%-22s ok (installed by an earlier call)\n' flashinfer >> "$SUMMARY"; fi_ok=1
+    printf '%-22s ok (installed by an earlier run)\n' flashinfer >> "$SUMMARY"; fi_ok=1
   elif stage flashinfer 120 "$WORK/env.log" "$PY" -m pip install -q --no-index --no-deps \
       --no-compile --no-cache-dir --upgrade --target "$FI_SITE" "$FI_WHEELS"/*.whl; then
     echo "$stamp" > "$FI_SITE/.wheels_stamp"; fi_ok=1
   fi
-elif [ -f "$FI_SITE/.wheels_stamp" ]; then   # a call without the wheels on a warm machine
-  printf '%-22s ok (installed by an earlier call; wheels not carried)\n' flashinfer >> "$SUMMARY"
+elif [ -f "$FI_SITE/.wheels_stamp" ]; then   # the wheels gone since an earlier run installed them
+  printf '%-22s ok (installed by an earlier run; no wheels now)\n' flashinfer >> "$SUMMARY"
   fi_ok=1
+elif "$PY" -c "import flashinfer" 2>/dev/null; then
+  printf '%-22s ok (installed)\n' flashinfer >> "$SUMMARY"; fi_ok=1
 else
-  printf '%-22s SKIPPED (no benchmarks/gpu/wheels: run fetch_wheels.sh, carry it)\n' flashinfer >> "$SUMMARY"
+  printf '%-22s SKIPPED (not installed: pip install flashinfer-python, or offline/fetch_wheels.sh)\n' \
+    flashinfer >> "$SUMMARY"
 fi
 if (( fi_ok )); then
   export PYTHONPATH="$FI_SITE:$PYTHONPATH"
@@ -107,9 +111,9 @@ if (( fi_ok )); then
     [ -n "$inc" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-I$inc"
   fi
   "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$WORK/env.log"
-  # The bench's modules compiled here ahead of time (flashinfer_aot.py build; the pack travels in
-  # the wheels folder): FlashInfer loads them instead of building (60-112 s of a call on nvcc).
-  aot=$("$PY" benchmarks/gpu/flashinfer_aot.py install --site "$FI_SITE" \
+  # The bench's modules compiled ahead of time (offline/flashinfer_aot.py build; the pack lies in
+  # the wheels folder): FlashInfer loads them instead of building (60-112 s of nvcc).
+  aot=$("$PY" benchmarks/gpu/offline/flashinfer_aot.py install --site "$FI_SITE" \
         --tar "$FI_WHEELS/flashinfer_aot_sm90a.tar.xz" --arch "$FLASHINFER_CUDA_ARCH_LIST" 2>&1 |
         tee -a "$WORK/env.log" | tail -1)
   printf '%-22s %s\n' flashinfer-aot "$aot" >> "$SUMMARY"
@@ -152,16 +156,16 @@ find_tool() {
 # status 1 when nothing passed.
 junit_counts() { "$PY" benchmarks/gpu/junit.py counts "$1" "$2" >> "$SUMMARY"; }
 
-# Knobs a tests call settled for the session's later calls (the bench, install_bundle.sh env,
-# so the servers too): a call that runs the tests decides them afresh.
+# Knobs a run of the GPU tests settled for later runs on this host (the bench, serve_ab.sh's
+# servers): a run that runs the tests decides them afresh.
 # shellcheck disable=SC1090  # written by overlap_fallback below
-if want tests; then rm -f "$SESSION_ENV"; elif [ -f "$SESSION_ENV" ]; then . "$SESSION_ENV"; fi
+if want tests; then rm -f "$KNOBS_ENV"; elif [ -f "$KNOBS_ENV" ]; then . "$KNOBS_ENV"; fi
 
 # overlap_fallback: the GPU tests failed. If every failed test passes again with the final
 # launch serialised (CHUNKATTN_OVERLAP_FINAL=0; the tests that force the overlap on are left
-# out), the overlapped launch alone is wrong on this GPU: the knob goes off for the rest of the
-# session (exported, and in $SESSION_ENV) and the bench still runs, instead of the session
-# losing it. Status 1 when something else failed.
+# out), the overlapped launch alone is wrong on this GPU: the knob goes off for this run and
+# later ones on this host (exported, and in $KNOBS_ENV), and the bench still runs instead of
+# being lost to it. Status 1 when something else failed.
 overlap_fallback() {
   local ids rc
   mapfile -t ids < <("$PY" benchmarks/gpu/junit.py failed "$WORK/tests_gpu.xml" 2>/dev/null)
@@ -173,14 +177,14 @@ overlap_fallback() {
   rc=$?
   (( rc == 0 || rc == 5 )) || return 1      # 5: every failed test forced the overlap on
   export CHUNKATTN_OVERLAP_FINAL=0
-  echo "export CHUNKATTN_OVERLAP_FINAL=0" > "$SESSION_ENV"
-  printf '%-22s OFF for the session: the %d failed GPU tests pass with CHUNKATTN_OVERLAP_FINAL=0 or force the overlap on (%s)\n' \
-    overlap-final "${#ids[@]}" "$SESSION_ENV" >> "$SUMMARY"
+  echo "export CHUNKATTN_OVERLAP_FINAL=0" > "$KNOBS_ENV"
+  printf '%-22s OFF for this host: the %d failed GPU tests pass with CHUNKATTN_OVERLAP_FINAL=0 or force the overlap on (%s)\n' \
+    overlap-final "${#ids[@]}" "$KNOBS_ENV" >> "$SUMMARY"
 }
 if (( build_rc == 0 )); then
   # ---- FlashInfer's JIT build, detached and niced, started before the tests: it compiles on
-  # the cores the GPU tests and the sanitizer leave idle, and runs on while later calls do, so
-  # the bench finds its modules cached (~/.cache/flashinfer) instead of waiting minutes on nvcc
+  # the cores the GPU tests and the sanitizer leave free, and runs on after this script ends, so
+  # a later bench finds its modules cached (~/.cache/flashinfer) instead of waiting on nvcc
   if want flashinfer-warm && "$PY" -c "import flashinfer" 2>/dev/null; then
     setsid nohup nice -n 15 timeout 300 "${WARM_CMD[@]}" > "$WARM_STATE.log" 2>&1 < /dev/null &
     echo $! > "$WARM_STATE.pid"
@@ -229,8 +233,9 @@ if (( build_rc == 0 )); then
     printf '%-22s SKIPPED (compute-sanitizer not found)\n' sanitizer >> "$SUMMARY"
   fi
 
-  # ---- the benchmarks below, detached (detached_bench.sh): they run on while the next calls
-  # carry issue #10's bundle, and only for a kernel whose tests and sanitizer passed
+  # ---- the benchmarks below, detached (detached_bench.sh): they run on after this script ends
+  # (e.g. while the offline bundle is copied), and only for a kernel whose tests and sanitizer
+  # passed
   if want bench-detach; then
     if (( FAILED )); then
       printf '%-22s SKIPPED (a test or the sanitizer failed)\n' bench-detach >> "$SUMMARY"
@@ -248,7 +253,7 @@ if (( build_rc == 0 )); then
     # below waits on nvcc.
     if "$PY" -c "import flashinfer" 2>/dev/null; then
       warm_pid=$(cat "$WARM_STATE.pid" 2>/dev/null)
-      if [ -n "$warm_pid" ] && kill -0 "$warm_pid" 2>/dev/null; then   # an earlier call's
+      if [ -n "$warm_pid" ] && kill -0 "$warm_pid" 2>/dev/null; then   # an earlier run's
         stage flashinfer-wait 240 "$WORK/bench.log" \
           bash -c "while kill -0 $warm_pid 2>/dev/null; do sleep 1; done"
       fi
@@ -259,11 +264,11 @@ if (( build_rc == 0 )); then
         "${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer" -path '*/cached_ops/*' \
         -name '*.so' 2>/dev/null | wc -l)" >> "$SUMMARY"
     fi
-    # The tree grids of issue #9 (paper Table 3, Llama-3-8B, RL rollouts, few-shot) against
+    # The tree grids (paper Table 3, Llama-3-8B, RL rollouts, few-shot) against
     # FlashInfer decode + cascade: kernel_cuda_gpu.{md,csv,png}, rewritten after every grid.
     stage bench-trees 300 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench kernel --device cuda \
       --grid gpu --out "$WORK/bench"
-    # Decode TPOT on paper (issue #9): Llama-3-8B and Qwen2.5-32B shapes at B 32/128/256, our
+    # Decode TPOT on paper: Llama-3-8B and Qwen2.5-32B shapes at B 32/128/256, our
     # attention vs FlashInfer decode plus the measured linear layers: tpot_cuda.{md,csv,png}.
     stage tpot 150 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench tpot --device cuda \
       --out "$WORK/bench"
@@ -283,7 +288,7 @@ if (( build_rc == 0 )); then
       stage bench-full 300 "$WORK/bench.log" "$PY" -m vllm_chunkattn.bench kernel --device cuda \
         --grid full --reps 5 --out "$WORK/bench"
     else
-      printf '%-22s SKIPPED (< %s s left: STAGES=bench in a second call)\n' bench-full \
+      printf '%-22s SKIPPED (< %s s left: run STAGES=bench on its own)\n' bench-full \
         "${FULL_GRID_MIN_S:-200}" >> "$SUMMARY"
     fi
   fi
@@ -291,7 +296,7 @@ if (( build_rc == 0 )); then
   if want ncu; then
     NCU=$(find_tool ncu /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu)
     if [ -n "$NCU" ]; then
-      # The served shape first: the budget cuts the last stages.
+      # The served shape first: the time limit cuts the last stages.
       for pt in llama_serve paper_shared paper_private llama_capacity; do
         stage "ncu-$pt" 90 "$WORK/ncu.log" "$NCU" --clock-control none --target-processes all \
           -k regex:tpp_ --section SpeedOfLight --section Occupancy --section LaunchStats \
@@ -299,8 +304,8 @@ if (( build_rc == 0 )); then
           --csv --page details \
           --log-file "$WORK/ncu_$pt.csv" "$PY" benchmarks/gpu/ncu_points.py "$pt"
       done
-      # What the launches wait on: each stall reason's warps per issued instruction (the H100
-      # run's sections named only the top one), at the served shape (math pipe throttle: the
+      # What the launches wait on: each stall reason's warps per issued instruction (the
+      # sections above name only the top one), at the served shape (math pipe throttle: the
       # tensor pipe is the ceiling; short scoreboard / MIO: shared memory; long scoreboard: L2;
       # barrier: the stage syncs) and the two latency-bound points. A stage of its own, so a
       # metric this ncu lacks fails it alone.
@@ -319,7 +324,7 @@ else
   printf '%-22s SKIPPED (build failed)\n' tests sanitizer bench >> "$SUMMARY"
 fi
 
-# ---- what comes back (at most 8 files in $OUT): summary, logs, tables, everything as a tarball
+# ---- $OUT (at most 8 files): summary, logs, tables, everything as a tarball
 {
   echo "== summary ($(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo no-git))"
   cat "$SUMMARY"
@@ -335,7 +340,7 @@ for r in map(json.loads, sys.stdin):
   echo "== decode TPOT on paper (tpot_cuda.md, in results.tar.gz)"
   grep -E '^\| (llama|qwen)' "$WORK/bench/tpot_cuda.md" 2>/dev/null
   [ -f "$WORK/ncu.md" ] && { echo "== Nsight Compute (ncu_points.py)"; cat "$WORK/ncu.md"; }
-  echo "== tree grids (kernel_cuda_gpu.md): issue #9 goals"
+  echo "== tree grids (kernel_cuda_gpu.md): goals"
   sed -n '/^## Goals/,/^## Method/p' "$WORK/bench/kernel_cuda_gpu.md" 2>/dev/null | grep '^- '
 } > "$WORK/summary.md" 2>&1
 cp "$WORK/summary.md" "$OUT/summary.md"

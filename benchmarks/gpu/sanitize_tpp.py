@@ -10,16 +10,16 @@ import sys
 
 import torch
 
-from vllm_chunkattn.ops import TppWorkspace
+from vllm_chunkattn.plan import TppWorkspace
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan
-from vllm_chunkattn.plan_capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.testing import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.plan.capacity import PlanCapacity, pad_plan
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 
 # (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad,
 # (partial stage, final stage)): pad True: empty nodes added; "capacity": padded as for a CUDA
-# graph (plan_capacity.py) with the splits left to the op (0, 0), so a padded plan's CTAs choose
+# graph (plan/capacity.py) with the splits left to the op (0, 0), so a padded plan's CTAs choose
 # them (tpp_params.cuh), in the workspace the backend gives graphs. Stages: partial 32 is its
 # compact stage (CHUNKATTN_PARTIAL_STAGE_TOKENS), final 64 the final launch in the default stage
 # (CHUNKATTN_FINAL_STAGE_TOKENS); 0: each launch's default (64 and the compact 32 at head 128).
@@ -74,10 +74,7 @@ def main() -> int:
         out = torch.full_like(b.query, float("nan"))
         lse = torch.full((num_seqs, hq), float("nan"), device="cuda")
         ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                       run_plan.node_block_indptr, run_plan.node_block_ids,
-                       run_plan.node_seq_indptr, run_plan.node_seq_ids,
-                       run_plan.seq_partial_indptr, run_plan.seq_partial_ids,
-                       run_plan.seq_num_shared_blocks, *ws, b.scale, out, lse)
+                       *run_plan.tensors(), *ws, b.scale, out, lse)
         torch.cuda.synchronize()
         ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
                                    b.seq_lens, plan.to("cuda"), b.scale)

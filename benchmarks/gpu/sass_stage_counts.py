@@ -35,8 +35,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# kernel -> (its mangled names, newest first: the partial kernel took its stage size as a template
-# argument on 2026-11-28), the HMMAs of its stage loop.
+# kernel -> (its mangled names, newest first: the partial kernel's stage size became a template
+# argument, so older revisions have the name without it), the HMMAs of its stage loop.
 _NAME = "_ZN9chunkattn{}I13__nv_bfloat16Li128E{}EvNS_9TppParamsE"
 KERNELS = {"partial (64 rows)": ((_NAME.format("18tpp_partial_kernel", "Li64EE"),
                                   _NAME.format("18tpp_partial_kernel", "E")), 128),

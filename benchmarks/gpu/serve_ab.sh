@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Issue #10 on the lent GPU (README.md, "vLLM serve A/B"): `vllm serve` stock and/or with
+# The served A/B on one GPU (README.md, "The served A/B"): `vllm serve` stock and/or with
 # --attention-backend CUSTOM on the Llama-3-8B shape (dummy bf16 weights), then `vllm bench serve`
-# over the issue's workloads, KV usage and load sampled from /metrics and NVML meanwhile.
+# over the workloads below, KV usage and load sampled from /metrics and NVML meanwhile.
 #   bash benchmarks/gpu/serve_ab.sh stock|custom [WORKLOAD ...]   # one system, round ROUND
-#   bash benchmarks/gpu/serve_ab.sh pair [WORKLOAD ...]           # both, ABBA, in one call
+#   bash benchmarks/gpu/serve_ab.sh pair [WORKLOAD ...]           # both, ABBA, in one run
 # WORKLOADs default to all, in this order: random prefix1x2k prefix1x2k_c128 prefix1x2k_c256
 # prefix4x2k n8x1k tree. `pair` starts both servers at once (each with a fixed KV pool,
 # PAIR_KV_BYTES, so both fit on one GPU), then runs each workload stock, custom, custom, stock:
 # rounds ROUND and ROUND+1 of each system, the second with --seed 1 (other prompts, so no prefix
 # cached by the first round serves it). One server start per system instead of one per round:
-# a start is 95-145 s of device time on an H100.
-# Needs `install_bundle.sh install` done on this warm machine. $OUT gets, per round,
-# summary_<tag>.md, server_<tag>.log and results_<tag>.tar.gz (bench JSONs, bench logs, load
-# samples); tag = <system>-r<round> (ROUND=1 by default). A pair's rounds share their server:
-# server_<system>.log once (the report reads it for each round) and one summary.md, so a pair
-# returns 7 files, under the device tool's 8 (with a log and a summary a round, 12: the
-# summaries did not come back).
+# a start takes 95-145 s on an H100.
+# Needs vLLM for CUDA (pip install "vllm-chunkattn[cuda]"), or the offline bundle installed
+# (offline/README.md). $OUT gets, per round, summary_<tag>.md, server_<tag>.log and
+# results_<tag>.tar.gz (bench JSONs, bench logs, load samples); tag = <system>-r<round> (ROUND=1
+# by default). A pair's rounds share their server: server_<system>.log once (the report reads it
+# for each round) and one summary.md, so a pair writes 7 files (a log and a summary a round
+# would make 12).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 MODE=${1:?stock, custom or pair}; shift
@@ -25,17 +25,17 @@ case $MODE in
   *) echo "system: stock, custom or pair" >&2; exit 2 ;;
 esac
 WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(random prefix1x2k prefix1x2k_c128 prefix1x2k_c256 prefix4x2k n8x1k tree)
-BUDGET_S=${BUDGET_S:-540}                    # the whole call ends inside the tool's 600 s
+TIME_LIMIT_S=${TIME_LIMIT_S:-540}            # the whole script ends within it (9 minutes)
 STOP_S=45                                    # kept for stopping the servers (<= 30 s) and the report
 [ "$MODE" = pair ] && STOP_S=60              # (four rounds' reports)
-# A server takes 95-145 s to start on an H100 (2026-11-26), a workload 30-60 s: under MIN_BUDGET_S
-# no workload would run (stock's round 2 spent 158 device seconds so), so none is started. A pair
-# runs a workload 4 times.
+# A server takes 95-145 s to start on an H100, a workload 30-60 s: under MIN_TIME_LIMIT_S no
+# workload would run (a 200 s limit spent 158 s on a start and ran nothing), so none is started.
+# A pair runs a workload 4 times.
 [ "$MODE" = pair ] && MIN_DEFAULT=360 || MIN_DEFAULT=240
-MIN_BUDGET_S=${MIN_BUDGET_S:-$MIN_DEFAULT}
-[ "$BUDGET_S" -ge "$MIN_BUDGET_S" ] || {
-  echo "BUDGET_S=$BUDGET_S is under MIN_BUDGET_S=$MIN_BUDGET_S (server start ~150 s + a workload + stop):" \
-       "$MODE not started" >&2; exit 3; }
+MIN_TIME_LIMIT_S=${MIN_TIME_LIMIT_S:-$MIN_DEFAULT}
+[ "$TIME_LIMIT_S" -ge "$MIN_TIME_LIMIT_S" ] || {
+  echo "TIME_LIMIT_S=$TIME_LIMIT_S is under MIN_TIME_LIMIT_S=$MIN_TIME_LIMIT_S (server start ~150 s" \
+       "+ a workload + stop): $MODE not started" >&2; exit 3; }
 R=${ROUND:-1}
 OUT=${OUT:-/tmp/serve_ab_out}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/models/llama-3-8b}
@@ -47,21 +47,30 @@ N=${NUM_PROMPTS:-64}; OUT_LEN=${OUTPUT_LEN:-256}   # smaller for a dry run
 # which the second server must pass beside the first.
 PAIR_KV_BYTES=${PAIR_KV_BYTES:-$((18 << 30))}
 PAIR_GPU_UTIL=${PAIR_GPU_UTIL:-0.40}
-# vLLM's front end, the same for both systems: one API server process streams every token of
-# every request, and at 256 concurrent on the H100 (CUSTOM's round 2) it ran at 92-102 % of a
-# core for the whole decode (GIL-bound), at ~10K tokens/s, the rate CUSTOM's 128-concurrent run
-# delivered too: the front end, not the engine, may set both. A stream message every 8th token
-# (the first at once): 8 times fewer messages for the API server and the one-process client (on
-# CPU the API server's CPU a token halved); TPOT and output tok/s are measured the same way.
-# That was not enough: the H200's first pair (rounds 3-4, prefix1x2k_c256) still had the one
-# API server at 100-107 % in both systems, ~7.8K tokens/s, CUSTOM's GPU idle 3-4 s a wave while
-# it drained, 1.01x at the client for an engine 1.35x faster (gpu_h200.md). The next pair adds
-# --api-server-count 4 (FRONTEND_ARGS="--stream-interval 8 --api-server-count 4"); vLLM 0.32
-# then turns its logging stat loggers off, and with them the per-step log the report's engine
-# steps come from (the engine ITL stays; the sampler reads the busiest of the N).
-# FRONTEND_ARGS= (empty) serves as rounds 1-2 did.
+# vLLM's front end, the same for both systems. One API server process streams every token of
+# every request: at 256 concurrent on an H100 it ran at 92-102 % of a core for the whole decode
+# (GIL-bound), at ~10K tokens/s, so the front end, not the engine, may set the throughput. A
+# stream message every 8th token (the first at once; the default here) sends 8 times fewer
+# messages to the client; TPOT and output tok/s are measured the same way. One API server still
+# ran at 100-107 % so on an H200 (prefix1x2k_c256: 1.01x at the client for an engine 1.35x
+# faster, gpu_h200.md): FRONTEND_ARGS="--stream-interval 8 --api-server-count 4" spreads it over
+# 4 processes. vLLM 0.32 then turns its logging stat loggers off, and with them the per-step log
+# the report's engine steps come from (the engine ITL stays; the sampler reads the busiest API
+# server). FRONTEND_ARGS= (empty): a stream message per token.
 FRONTEND_ARGS=${FRONTEND_ARGS---stream-interval 8}
-eval "$(bash benchmarks/gpu/install_bundle.sh env)"
+# The checkout's plugin is what runs; vLLM installed from the offline bundle: its site first.
+if bash benchmarks/gpu/offline/install_bundle.sh installed; then
+  eval "$(bash benchmarks/gpu/offline/install_bundle.sh env)"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Knobs run_on_device.sh's GPU tests settled on this host (CHUNKATTN_OVERLAP_FINAL=0).
+# shellcheck disable=SC1090
+[ -f "${KNOBS_ENV:-/tmp/chunkattn_knobs.env}" ] && . "${KNOBS_ENV:-/tmp/chunkattn_knobs.env}"
+# Dummy weights: nothing to fetch. Both systems sample with vLLM's PyTorch sampler (its V2 model
+# runner would otherwise import FlashInfer's, where installed, for one of them alike).
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 bash benchmarks/gpu/detached_bench.sh wait   # vLLM reserves most of the GPU: not beside a bench
 export PYTHONUNBUFFERED=1
 
@@ -76,11 +85,11 @@ from vllm_chunkattn.tiny_model import SPECIAL, vocabulary
 words = [w for w in vocabulary() if w not in SPECIAL]       # one token each
 write_tree_jsonl(tree(1024, 4, 512, 16), Path('$TREE'), words)"
 
-# 64 requests, 32 at a time (the issue's "2K shared x >= 32 concurrent"), 256 output tokens each
+# 64 requests, 32 at a time (the goal's "2K shared x >= 32 concurrent"), 256 output tokens each
 # (--ignore-eos: dummy weights would otherwise stop at random); the tree's outputs are 128-512.
 # prefix1x2k_c128: the same prompts, 4x as many, 128 at a time. At 32 the 8B shape's decode step
-# reads 15 GB of weights beside ~10 GB of KV, so even free attention gives at most ~1.5x there
-# (README.md, "Where the serving goal can show"); at 128 the H100 measured 1.24x, the rest of
+# reads 15 GB of weights beside ~10 GB of KV, so even free attention gives at most ~1.5x
+# there; at 128 an H100 measured 1.24x, the rest of
 # the step being ~9-10 ms for both; prefix1x2k_c256: 8x the prompts, 256 at a time.
 # JSON without spaces: the flags are word-split.
 COMMON=(--num-prompts "$N" --max-concurrency 32 --ignore-eos)
@@ -114,12 +123,12 @@ up() { $PY -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], t
        "$1" 2> /dev/null; }                  # no curl needed on the image
 # A run's edges in its server's log (its access log line, in order with the step lines).
 mark() { up "$1/health?serve_ab=$2.$3" || true; }   # URL, run, start|end
-free_port() {   # a fresh port per server: one left by an earlier call can never answer for this
+free_port() {   # a fresh port per server: one left by an earlier run can never answer for this
   $PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 stop() {   # $1: our server's pid: SIGINT (vLLM's clean shutdown), then SIGKILL after 30 s for
            # what is left of its process tree (the engine core too); "leftover": an earlier
-           # call's server or client, killed at once (a server still starting ignores SIGINT)
+           # run's server or client, killed at once (a server still starting ignores SIGINT)
   $PY - "$1" "$MODEL" <<'PY'
 import contextlib, psutil, signal, sys
 what, model = sys.argv[1:3]
@@ -128,7 +137,7 @@ if what == "leftover":
     roots = [p for p in psutil.process_iter(["cmdline"]) if model in (p.info["cmdline"] or [])
              and any(a.endswith("serve") for a in p.info["cmdline"])]
     if roots:
-        print("stopping what an earlier call left running:", [r.pid for r in roots])
+        print("stopping what an earlier run left running:", [r.pid for r in roots])
 else:
     roots = [p for p in psutil.process_iter() if p.pid == int(what)]
 procs = list(roots)
@@ -145,7 +154,7 @@ for q in psutil.wait_procs(procs, timeout=grace)[1]:
 psutil.wait_procs(procs, timeout=10)
 PY
 }
-# A server (or client) left by an earlier call cut at its time limit would hold GPU memory.
+# A server (or client) left by an earlier run cut at its time limit would hold GPU memory.
 stop leftover
 
 # Per system: its server's URL, pid, log, and a folder for what is the server's, not a round's
@@ -185,15 +194,15 @@ start_server() {
 }
 t0=$SECONDS
 for s in "${SYSTEMS[@]}"; do start_server "$s"; done   # a pair starts at once: one wait for both
-# A pair whose one server dies at start goes on with the other (its rounds are worth the device
-# time spent), and the call then exits 1.
+# A pair whose one server dies at start goes on with the other (its rounds are worth the time
+# its start took), and the script then exits 1.
 ALIVE=()
 for s in "${SYSTEMS[@]}"; do
   until up "${URL[$s]}/health"; do
     kill -0 "${SERVER[$s]}" 2> /dev/null || {
       echo "$s server died:"; tail -40 "${LOG[$s]}"; continue 2; }
-    [ $((SECONDS + STOP_S)) -lt "$BUDGET_S" ] || {
-      echo "$s server not up after $((SECONDS - t0)) s (BUDGET_S $BUDGET_S)"
+    [ $((SECONDS + STOP_S)) -lt "$TIME_LIMIT_S" ] || {
+      echo "$s server not up after $((SECONDS - t0)) s (TIME_LIMIT_S $TIME_LIMIT_S)"
       for q in "${SYSTEMS[@]}"; do stop "${SERVER[$q]}"; done; exit 1; }
     sleep 2
   done
@@ -213,16 +222,16 @@ for s in "${SYSTEMS[@]}"; do
   SAMPLERS+=($!)
 done
 
-# A workload starts only if the budget left covers its runs at the longest run measured so far
-# (GUESS_S before the first), and a run is cut where the budget ends: however long the servers
-# took to start, the call ends inside BUDGET_S, and a short budget still runs what fits.
+# A workload starts only if the time left covers its runs at the longest run measured so far
+# (GUESS_S before the first), and a run is cut where the time runs out: however long the servers
+# took to start, the script ends inside TIME_LIMIT_S, and a short limit still runs what fits.
 longest=0
-budget_left() { echo $((BUDGET_S - STOP_S - SECONDS)); }
+time_left() { echo $((TIME_LIMIT_S - STOP_S - SECONDS)); }
 counters() {   # on /metrics, one line: CUSTOM's decode KV counters (chunkattn:decode_*_total) and
   # the sums and counts of vLLM's inter-token latency, queue time and prefill time histograms
   # (engine-side timestamps: the report's engine ITL and TTFT parts), each summed over label
   # sets (bench/server_client.scrape's sum, inline:
-  # importing vllm_chunkattn loads torch, ~2 s a call, twice a workload, in device time)
+  # importing vllm_chunkattn loads torch, ~2 s each time, twice a workload)
   $PY - "$1/metrics" <<'PY' || true
 import sys, urllib.request
 try:
@@ -247,10 +256,10 @@ bench() {   # system, round, workload name, then `vllm bench serve` flags
   local work=/tmp/serve_ab/$s-r$rnd run left start=$SECONDS seed=$((rnd - R))
   run=$(run_name "$rnd" "$name")
   # The warm-up's random prompts are its own: with `random`'s seed they were that workload's
-  # first 8, served from the prefix cache (H100 rounds 1-2: TTFT and throughput flattered alike).
+  # first 8, served from the prefix cache (TTFT and throughput flattered alike).
   [ "$name" != warmup ] || seed=99
-  left=$(budget_left)
-  [ "$left" -ge 10 ] || { echo "$s-r$rnd $name: skipped (budget: $left s left)"; return; }
+  left=$(time_left)
+  [ "$left" -ge 10 ] || { echo "$s-r$rnd $name: skipped (time limit: $left s left)"; return; }
   echo "$run" > "${HOME_DIR[$s]}/current"
   echo "$*" > "$work/$name.flags"
   echo "before $(counters "${URL[$s]}")" > "$work/$name.counters"   # shared KV reads, engine ITL
@@ -287,8 +296,8 @@ done
 wait "${WARMUPS[@]}"
 for w in "${WORKLOADS[@]}"; do
   need=$(( ${#RUNS[@]} * (longest > 0 ? longest : ${GUESS_S:-45}) ))   # H100: runs of 30-45 s
-  left=$(budget_left)
-  [ "$left" -ge "$need" ] || { echo "$w: skipped (budget: $left s left, need ~$need s)"; continue; }
+  left=$(time_left)
+  [ "$left" -ge "$need" ] || { echo "$w: skipped (time limit: $left s left, need ~$need s)"; continue; }
   for run in "${RUNS[@]}"; do
     # shellcheck disable=SC2046
     bench "${run%:*}" "${run#*:}" "$w" $(workload "$w")

@@ -14,7 +14,7 @@ WORK/current (no line while that is empty: bench() is rewriting it):
                         near 100 also while it spin-waits on the GPU, so alone it says little)
   gpu_busy_pct          NVML's share of its last sample period with a kernel running
 Why the last two: at 128 -> 256 concurrent CUSTOM's step time doubled with no more throughput
-(H100, 2026-11-26); a GPU busy well under 100 % while the engine core is at ~100 % says the
+on an H100; a GPU busy well under 100 % while the engine core is at ~100 % says the
 steps wait for the host, not for the GPU. Stock is sampled the same way.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ PERIOD_S = 0.25
 
 def metric_lines(text: str) -> list[tuple[str, str]]:
     """(name, value) of the KV metrics in a /metrics page (labels dropped). Not
-    bench/server_client.scrape: importing vllm_chunkattn loads torch, seconds of device time."""
+    bench/server_client.scrape: importing vllm_chunkattn loads torch (seconds)."""
     return [(line.split("{")[0].split()[0], line.split()[-1]) for line in text.splitlines()
             if line.startswith(KV_METRICS)]
 
@@ -114,7 +114,7 @@ def nvml_busy():
             return None
     try:
         module.nvmlInit()
-        handle = module.nvmlDeviceGetHandleByIndex(0)   # the device machine has one GPU
+        handle = module.nvmlDeviceGetHandleByIndex(0)   # serve_ab.sh serves on the first GPU
         module.nvmlDeviceGetUtilizationRates(handle)
     except Exception:                                   # NVMLError: no driver, no GPU
         return None

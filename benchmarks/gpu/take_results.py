@@ -1,8 +1,8 @@
-"""Issue #9's device call, brought home: run_on_device.sh's $OUT (the device tool's `files_at`)
-into benchmarks/results under the GPU's name, and the kernel grid set beside the same GPU kind's
+"""A run of run_on_device.sh, filed: its $OUT folder (copied back from the GPU host) into
+benchmarks/results under the GPU's name, and the kernel grid set beside the same GPU kind's
 previous run.
 
-  .venv/bin/python benchmarks/gpu/take_results.py <files_at> --gpu h100 [--out benchmarks/results]
+  .venv/bin/python benchmarks/gpu/take_results.py <OUT folder> --gpu h100 [--out benchmarks/results]
 
 Each table of results.tar.gz lands as <stem>_<gpu>.<ext> (kernel_cuda_gpu_h100.md, ...). A file of
 that name from an earlier run is kept as <stem>_<gpu>_<its commit>.<ext>, and the two kernel grids
@@ -79,7 +79,7 @@ def runs_table(old_csv: Path, new_csv: Path, old_commit: str, new_commit: str, g
     fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"       # noqa: E731
     lines = [f"# The kernel grid on the {gpu.upper()}: run {new_commit} against run {old_commit}", "",
              "`benchmarks/gpu/take_results.py`: the two runs' `kernel_cuda_gpu_*.csv`, eager µs (CUDA "
-             "events, cold L2, medians). Two device calls on two machines of one kind, not one run: "
+             "events, cold L2, medians). Two runs on two machines of one kind, not one run: "
              "FlashInfer decode's new / old is the yardstick of what the machine alone changed.", "",
              "| grid | point | ours µs old | ours µs new | ours new/old | FI decode µs old | "
              "FI decode µs new | FI new/old | % roofline new |",
@@ -105,12 +105,12 @@ def runs_table(old_csv: Path, new_csv: Path, old_commit: str, new_commit: str, g
     return "\n".join(lines) + "\n"
 
 
-def take(files_at: Path, gpu: str, out: Path) -> list[str]:
-    """Places every table of the call's results.tar.gz; returns what it did, a line each."""
-    tarball = files_at / "results.tar.gz"
+def take(run_out: Path, gpu: str, out: Path) -> list[str]:
+    """Places every table of the run's results.tar.gz; returns what it did, a line each."""
+    tarball = run_out / "results.tar.gz"
     if not tarball.is_file():
-        raise SystemExit(f"{tarball}: not found (the device call's files_at holds results.tar.gz)")
-    summary = files_at / "summary.md"
+        raise SystemExit(f"{tarball}: not found (run_on_device.sh's $OUT holds results.tar.gz)")
+    summary = run_out / "summary.md"
     found = SUMMARY_COMMIT.search(summary.read_text()) if summary.is_file() else None
     done, moved = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,13 +147,13 @@ def take(files_at: Path, gpu: str, out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files_at", type=Path, help="the device call's files_at folder")
+    ap.add_argument("run_out", type=Path, help="run_on_device.sh's $OUT folder")
     ap.add_argument("--gpu", required=True, help="the GPU kind's short name: h100, h200")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args(argv)
     if not re.fullmatch(r"[a-z0-9]+", a.gpu):
         ap.error(f"--gpu {a.gpu!r}: a short lower-case name such as h100")
-    for line in take(a.files_at, a.gpu, a.out):
+    for line in take(a.run_out, a.gpu, a.out):
         print(line)
     return 0
 

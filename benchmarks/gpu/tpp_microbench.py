@@ -57,7 +57,8 @@ def graph_of(fn, iters=ITERS) -> torch.cuda.CUDAGraph:
             fn()
     g.replay()
     torch.cuda.synchronize()
-    g.captured_fn = fn   # freed, its tensors' blocks would go to the next plan (first H200 run)
+    g.captured_fn = fn   # kept: freed, its tensors' blocks would go to the next plan while
+                         # the graph still reads them
     return g
 
 
@@ -92,9 +93,7 @@ def main(argv=None):
             out = outs[label] = torch.empty_like(q)
 
             def call(plan=plan, ws=ws, out=out):
-                ops.tpp_decode(q, k, v, btc, slc, plan.node_block_indptr, plan.node_block_ids,
-                               plan.node_seq_indptr, plan.node_seq_ids, plan.seq_partial_indptr,
-                               plan.seq_partial_ids, plan.seq_num_shared_blocks, *ws,
+                ops.tpp_decode(q, k, v, btc, slc, *plan.tensors(), *ws,
                                a.head_size ** -0.5, out, None)
             graphs[label] = graph_of(call)
         # the same attention either way (tree vs none): a plan that computes something else

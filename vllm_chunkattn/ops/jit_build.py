@@ -151,9 +151,9 @@ def _load(csrc_dir: Path, name: str, sources, key: str, verbose: bool, **flags) 
     on the include path) into its own build_dir."""
     from torch.utils import cpp_extension
 
-    # The shared libstdc++ torch uses, named first: the GPU image's g++ (the /opt/gcc wrapper)
-    # linked libstdc++ statically into our library (ldd: no libstdc++.so), and that private
-    # copy's ostream segfaulted formatting every failed TORCH_CHECK's message (first H200 run).
+    # The shared libstdc++ torch uses, named first: a g++ that links libstdc++ statically (some
+    # CUDA images' /opt/gcc wrapper) gives our library a private copy whose ostream segfaults
+    # formatting a failed TORCH_CHECK's message.
     flags["extra_ldflags"] = ["-l:libstdc++.so.6", *flags.get("extra_ldflags", [])]
     out = build_dir(csrc_dir, key)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,19 @@
-"""Bundle builder: the wheels the lent GPU lacks for `vllm serve` + `vllm bench serve` with
-vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into <= 50 MiB parts that
-travel one per device call (README.md). Three groups, back to back: core (vLLM on the image's
-torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two carried only
-if the device's install asks for them. What the image holds: device_image.py. `--vllm 0.33.0`
-before the command: vLLM 0.33's bundle instead, core alone (RELEASES).
+"""Bundle builder: the wheels a GPU host without network lacks for `vllm serve` + `vllm bench
+serve` with vllm 0.32.0 (CUDA), the big ones re-compressed (recompress.py), split into parts of
+at most --part-mib (50 MiB by default: a transfer limit of your choosing) that are copied over
+and gathered there by install_bundle.sh (README.md). Three groups, back to back: core (vLLM on
+the host's torch), torch (torch 2.13's stack: TORCH_STACK) and nccl (SHARED_LIBS), the last two
+copied only if the host's install asks for them. What the host image holds: device_image.py.
+`--vllm 0.33.0` before the command: vLLM 0.33's bundle instead, core alone (RELEASES).
 
-    .venv/bin/python benchmarks/gpu/bundle.py closure --python /tmp/b312/bin/python [--live]
-    .venv/bin/python benchmarks/gpu/bundle.py build          # download, tar, split, manifest
-    .venv/bin/python benchmarks/gpu/bundle.py build --from-manifest   # the committed bundle again
-    .venv/bin/python benchmarks/gpu/bundle.py resplit        # the built parts cut at PART_BYTES
-    .venv/bin/python benchmarks/gpu/bundle.py status         # what is built, per device call
+    .venv/bin/python benchmarks/gpu/offline/bundle.py closure --python /tmp/b312/bin/python [--live]
+    .venv/bin/python benchmarks/gpu/offline/bundle.py build          # download, tar, split, manifest
+    .venv/bin/python benchmarks/gpu/offline/bundle.py build --from-manifest   # the committed bundle again
+    .venv/bin/python benchmarks/gpu/offline/bundle.py resplit        # the built parts cut again
+    .venv/bin/python benchmarks/gpu/offline/bundle.py status         # what is built, part by part
 
 `closure` runs import_probe.py in a Python 3.12 venv holding vLLM's wheels (and with --live
-records a real CPU serve + bench run in this venv); `build` keeps what the device image lacks or
+records a real CPU serve + bench run in this venv); `build` keeps what the host image lacks or
 has at an incompatible version and writes bundle_manifest.txt (committed) and .bundle/ (ignored),
 or for 0.33 bundle_manifest_vllm0.33.0.txt and .bundle-vllm0.33.0/.
 """
@@ -37,9 +38,9 @@ from device_image import (IMAGE_PACKAGES, IMAGE_VERSIONS, PLATFORMS, SHARED_LIBS
 from recompress import recompressed
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 # A bundle per vLLM release: (its manifest, committed; its folder, git-ignored: wheels/, cNN/,
-# one part per device call; the groups it builds). 0.33.0's is vLLM on the image's torch 2.11
+# a part each; the groups it builds). 0.33.0's is vLLM on the image's torch 2.11
 # alone: its fallback torch stack (2.14, triton 3.8, NCCL 2.30) would be ~12 more parts, and
 # nothing here has checked a shim for the image's NCCL under torch 2.14 (README.md).
 RELEASES = {"0.32.0": ("bundle_manifest.txt", ".bundle", ("core", "torch", "nccl")),
@@ -47,24 +48,24 @@ RELEASES = {"0.32.0": ("bundle_manifest.txt", ".bundle", ("core", "torch", "nccl
 RELEASE = "0.32.0"
 BUNDLE = REPO / RELEASES[RELEASE][1]
 MANIFEST = HERE / RELEASES[RELEASE][0]
-# 50 MiB leaves the tree that travels with every part call 14 MiB (it outgrew 4 MiB beside 60 MiB
-# parts with the H100 results, 2026-11-26, and was 7.2 of 8 MiB beside 56 MiB ones, 2026-11-28,
-# with a GPU session's results ~1 MiB); the core group's 244.7 MiB still take 5 parts.
+# The default transfer: the checkout beside one part in at most 64 MiB. 50 MiB parts leave the
+# checkout 14 MiB; the core group's 244.7 MiB take 5 parts. --part-mib / --transfer-mib change them.
 PART_BYTES = 50 << 20
-CALL_BYTES = 64 << 20          # what one device call carries at most: the tree and one part
+TRANSFER_BYTES = 64 << 20      # one transfer at most: the checkout and one part
+DEFAULT_SIZES = (PART_BYTES, TRANSFER_BYTES)
 RESERVE_MAX = 2 << 20          # a reserve wheel larger than this is not worth carrying blind
 XZ_MIN = 16 << 20              # wheels this big travel as xz (torch, vllm, triton: 21 -> 16 parts)
 GROUPS_AS_SHIPPED = {"nccl"}
-# Groups after core that travel only if the device asks (install_bundle.sh): why, for the manifest.
+# Groups after core that are copied only if the host's install asks (install_bundle.sh): why.
 OPTIONAL_GROUPS = {"torch": "sent only if the check on the image's torch fails: TORCH_STACK",
                    "nccl": "sent only if the NCCL check fails: SHARED_LIBS"}
 
 
 def plan(dists: dict) -> tuple[list, list, list]:
     """(carry, reserve, reuse) rows (name, version, why); reserve rows add the specifier the
-    device's version must meet. Carry: the image lacks it, or its version fails a requirement of
+    host's version must meet. Carry: the image lacks it, or its version fails a requirement of
     the closure. Reserve: the image has it at a version nobody read and something constrains it:
-    carried, installed on the device only if its own version fails that specifier."""
+    carried, installed on the host only if its own version fails that specifier."""
     wants = wants_of(dists)
     image = {canon(n) for n in IMAGE_PACKAGES}
     carry, reserve, reuse = [], [], []
@@ -134,7 +135,7 @@ def _tar(files: list[tuple[str, Path]], out: Path) -> None:
 
 
 def _split(tars: list[Path]) -> list[tuple[str, str, int, str]]:
-    """The tars, back to back, cut into BUNDLE/cNN/bundle.partNN (one per device call): a group
+    """The tars, back to back, cut into BUNDLE/cNN/bundle.partNN (one folder a part): a group
     needs only the parts its byte range touches. Rows (folder, file, bytes, sha256)."""
     rows, buf = [], bytearray()
 
@@ -220,7 +221,7 @@ def build(args) -> None:
               [f"{n}=={v}" for n, v in shared.items()], wheels)
     big = [r for r in reserve if _wheel_for(wheels, r[0], r[1]).stat().st_size > RESERVE_MAX]
     reserve = [r for r in reserve if r not in big]
-    reuse += [(n, "?", f"unread, too big to hold in reserve; check on the device: {why[22:]}")
+    reuse += [(n, "?", f"unread, too big to hold in reserve; check on the host: {why[22:]}")
               for n, _, why, _ in big]
     groups = {"core": [("wheels", _wheel_for(wheels, r[0], r[1])) for r in carry if r not in stack] +
                       [("reserve", _wheel_for(wheels, r[0], r[1])) for r in reserve],
@@ -253,21 +254,21 @@ def _rebuild() -> None:
         print(f"rebuilt {n_parts} parts; all match the manifest")
         return
     # The wheels are the registry's (checked above); only their packing differs, e.g. another
-    # liblzma here. The device checks parts against the manifest in the tree that travels with
-    # each call, so the new lines are what it must read: write them, and say so.
+    # liblzma here. The host checks parts against the manifest in the checkout copied there, so
+    # the new lines are what it must read: write them, and say so.
     keep = [ln for ln in text if not ln.startswith(("group ", "part "))]
     MANIFEST.write_text("\n".join(keep + layout) + "\n")
     print(f"rebuilt {n_parts} parts from the manifest's wheels, but packed differently from the "
           f"committed parts: {MANIFEST.relative_to(REPO)} rewritten with the new group/part lines "
-          f"(the device reads it from the tree; commit it)")
+          f"(the host reads it from the checkout; commit it)")
 
 
 def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> None:
     size = {ln.split()[-1]: int(ln.split()[3]) for ln in wheel_lines}
     mib = lambda b: f"{b / 2**20:8.2f}"                                   # noqa: E731
-    out = [f"# vLLM {RELEASE} (CUDA) for the lent GPU: what the image 'cuda' (Python 3.12, torch",
-           "# 2.11.0+cu130) lacks for `vllm serve` + `vllm bench serve` of a Llama model.",
-           "# Made by `.venv/bin/python benchmarks/gpu/bundle.py closure ... && ... build`: the",
+    out = [f"# vLLM {RELEASE} (CUDA) for a GPU host without network: what its image (Python 3.12,",
+           "# torch 2.11.0+cu130) lacks for `vllm serve` + `vllm bench serve` of a Llama model.",
+           "# Made by `.venv/bin/python benchmarks/gpu/offline/bundle.py closure ... && ... build`: the",
            "# import closure from import_probe.py in a Python 3.12 venv holding vLLM's CUDA wheels",
            "# (CUDA platform forced, optional imports hidden) and a live CPU serve + bench run.",
            "# Parts again: `bundle.py build --from-manifest`. install_bundle.sh reads the lines",
@@ -279,7 +280,7 @@ def _write_manifest(carry, reserve, reuse, wheel_lines, part_lines, dists) -> No
     out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})" for n, v, why in carry]
     out += [f"# {mib(size[f])}  {f}  (shared library, see SHARED_LIBS in device_image.py)"
             for f in size if f.startswith("nvidia_nccl")]
-    out += ["", "# -- reserve: installed only if the device's own version fails the check"]
+    out += ["", "# -- reserve: installed only if the host's own version fails the check"]
     out += [f"# {mib(size.get(_fname(size, n, v), 0))}  {n}=={v}  ({why})"
             for n, v, why, _ in reserve]
     out += ["", "# -- reused from the image (imported on the serve path)"]
@@ -310,7 +311,7 @@ def _layout_comments(wheel_lines: list[str], layout: list[str]) -> list[str]:
                        + (f"; {OPTIONAL_GROUPS[g]})" if g in OPTIONAL_GROUPS else ")"))
     n_parts = sum(ln.startswith("part ") for ln in layout)
     out.append(f"# {n_parts} parts of <= {PART_BYTES >> 20} MiB: {BUNDLE.name}/c01 .. "
-               f"c{n_parts:02d}, one carried per device call")
+               f"c{n_parts:02d}, a folder each")
     return out
 
 
@@ -357,17 +358,18 @@ def status(args) -> None:
         only = next((OPTIONAL_GROUPS[g] for g in touched), "") \
             if all(g in OPTIONAL_GROUPS for g in touched) else ""
         start += int(nbytes)
-        print(f"call {folder[1:]}: carry {BUNDLE.name}/{folder}  {name}  "
+        print(f"part {folder[1:]}: {BUNDLE.name}/{folder}  {name}  "
               f"{int(nbytes) / 2**20:5.1f} MiB  {'ok' if ok else 'MISSING/BAD'}"
               f"{f'  ({only})' if only else ''}")
-    tree, call = largest_call_bytes()
-    print(f"the tree that travels: {tree / 2**20:.2f} MiB; largest call {call / 2**20:.2f} MiB "
-          f"of 64 MiB{'' if call < CALL_BYTES else ': TOO BIG, ignore or remove untracked files'}")
+    tree, transfer = largest_transfer_bytes()
+    print(f"the checkout: {tree / 2**20:.2f} MiB; with the largest part {transfer / 2**20:.2f} MiB "
+          f"of {TRANSFER_BYTES >> 20} MiB"
+          f"{'' if transfer < TRANSFER_BYTES else ': TOO BIG, ignore or remove untracked files'}")
 
 
-def largest_call_bytes() -> tuple[int, int]:
-    """(bytes of the working tree the device tool carries on every call: tracked files and
-    untracked ones git does not ignore, bytes of the call that also carries the largest part)."""
+def largest_transfer_bytes() -> tuple[int, int]:
+    """(bytes of the checkout: tracked files and untracked ones git does not ignore, bytes of the
+    transfer that carries it beside the largest part)."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
                            capture_output=True, text=True, check=True).stdout.split("\0")
     tree = sum((REPO / f).stat().st_size for f in files if f and (REPO / f).is_file())
@@ -383,6 +385,7 @@ def select(release: str) -> None:
 
 
 def main(argv=None):
+    global PART_BYTES, TRANSFER_BYTES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm", choices=RELEASES, default=RELEASE,
                    help="the vLLM release whose bundle to build or check (RELEASES)")
@@ -393,13 +396,20 @@ def main(argv=None):
     b = sub.add_parser("build", help="download, split into parts, write the manifest")
     b.add_argument("--from-manifest", action="store_true", help="refetch and repack the "
                    "committed manifest's wheels instead (checks the parts' checksums)")
-    sub.add_parser("resplit", help="cut the built parts again at PART_BYTES (no fetch, no xz)")
-    s = sub.add_parser("status", help="list the parts, one per device call, and check them")
+    sub.add_parser("resplit", help="cut the built parts again at --part-mib (no fetch, no xz)")
+    s = sub.add_parser("status", help="list the parts and check them")
     s.add_argument("--quick", action="store_true", help="sizes only, no checksums")
+    for q in (b, s, sub.choices["resplit"]):
+        q.add_argument("--part-mib", type=int, default=DEFAULT_SIZES[0] >> 20,
+                       help="the largest part, MiB (a transfer limit; default %(default)s)")
+        q.add_argument("--transfer-mib", type=int, default=DEFAULT_SIZES[1] >> 20,
+                       help="what one transfer may carry, the checkout beside a part, MiB "
+                       "(default %(default)s; status checks it)")
     args = p.parse_args(argv)
     select(args.vllm)
     if args.cmd == "closure":
         return closure(args, BUNDLE)
+    PART_BYTES, TRANSFER_BYTES = args.part_mib << 20, args.transfer_mib << 20
     {"build": build, "resplit": resplit, "status": status}[args.cmd](args)
 
 

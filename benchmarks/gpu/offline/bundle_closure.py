@@ -16,15 +16,17 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as canon
 from packaging.version import Version
 
-from device_image import DEVICE_ENV, IMAGE_PACKAGES, OPTIONAL_MODULES, TORCH_STACK
-from import_probe import live_run     # this folder is sys.path[0]
+from device_image import DEVICE_ENV, IMAGE_PACKAGES, OPTIONAL_MODULES, TORCH_STACK  # this folder
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+GPU = HERE.parent                     # benchmarks/gpu: import_probe.py, shared with the rehearsals
+REPO = HERE.parents[2]
+sys.path.insert(1, str(GPU))
+from import_probe import live_run  # noqa: E402
 
 
 def _probe(python: str, args: list[str]) -> dict:
-    out = subprocess.run([python, str(HERE / "import_probe.py"), *args], capture_output=True,
+    out = subprocess.run([python, str(GPU / "import_probe.py"), *args], capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     if out.returncode:
         sys.exit(f"import_probe failed:\n{out.stderr[-3000:]}")

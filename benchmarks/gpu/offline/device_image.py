@@ -1,6 +1,6 @@
-"""What the lent GPU's image holds and what the serve path needs beside it: the facts bundle.py
+"""What the GPU host's image holds and what the serve path needs beside it: the facts bundle.py
 plans the vLLM bundle from (the image's packages and versions, the optional imports, the groups
-that travel only when the device asks). Read off the device tool's KINDS.md and the wheels.
+copied only when the host's install asks). Read off the image's package list and the wheels.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ DEVICE_ENV = {**default_environment(), "python_version": "3.12", "python_full_ve
               "platform_machine": "x86_64", "sys_platform": "linux", "platform_system": "Linux",
               "implementation_name": "cpython", "platform_python_implementation": "CPython"}
 
-# The device image 'cuda' (device tool KINDS.md, package list read 2026-11-17; Python 3.12.3).
+# The GPU host's image (its package list read 2026-11-17; Python 3.12.3).
 IMAGE_PACKAGES = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc
 anyio attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
 contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
@@ -36,7 +36,7 @@ tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokeniz
 torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
 typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
 xxhash yarl zipp""".split()
-# Versions read there (KINDS.md pip list row); the nvidia-* ones are torch 2.11.0's cu130 pins
+# Versions read there (the image's pip list); the nvidia-* ones are torch 2.11.0's cu130 pins
 # (its Requires-Dist, cuda-toolkit 13.0.2's extras), not readings: install_bundle.sh prints them.
 IMAGE_VERSIONS = {
     "torch": "2.11.0", "triton": "3.6.0", "torchvision": "0.26.0", "torchaudio": "2.11.0",
@@ -57,7 +57,7 @@ OPTIONAL_MODULES = ["flashinfer", "cutlass", "cudnn", "humming", "cuda.tile", "c
 # vLLM 0.32.0 pins torch 2.13.0, but its CUDA extensions use torch's stable C ABI alone: the 91
 # aoti_torch_* / torch_* symbols that _C_stable_libtorch, _moe_C_stable_libtorch and
 # vllm_flash_attn's _vllm_fa2_C / _vllm_fa3_C import (no C++ libtorch symbol) are all exported by
-# torch 2.11.0+cu130, the image's (nm -D on both wheels, 2026-11-26), and in a Python 3.12 venv
+# torch 2.11.0+cu130, the image's (nm -D on both wheels), and in a Python 3.12 venv
 # with torch 2.11.0+cu130 and triton 3.6.0 (a stand-in libcuda.so.1, no GPU) they load and
 # register their ops, and import_probe.py imports the whole serve path; vLLM's compile path keeps
 # branches for torch 2.10 / 2.11 (env_override.py, config/compilation.py). So these travel as a
@@ -68,5 +68,5 @@ TORCH_STACK = {"torch", "triton", "torchvision"}
 # image's, by torch 2.11's pin) lacks: ncclCommSuspend/Resume/MemStats, ncclSignal/WaitSignal/
 # PutSignal, ncclGet{Peer,LsaMultimem}DevicePointer (checked with nm -D against both wheels).
 # nccl_compat.c defines them (single-GPU serving calls none), so this group, sent last, travels
-# only if torch 2.13 did and the device's NCCL check fails with that shim (install_bundle.sh).
+# only if torch 2.13 did and the host's NCCL check fails with that shim (install_bundle.sh).
 SHARED_LIBS = {"nvidia-nccl-cu13": "2.29.7"}

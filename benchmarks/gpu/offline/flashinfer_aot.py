@@ -1,25 +1,25 @@
-"""FlashInfer's bench modules compiled here, ahead of time, so the lent GPU does not wait on nvcc.
+"""FlashInfer's bench modules compiled ahead of time, so the GPU host does not wait on nvcc.
 
-Issue #9's call spent 60-112 s of its device time waiting for FlashInfer's JIT build (the FA2
-and FA3 batch-prefill modules of both dtypes and the cascade merge, 42 nvcc units: 112 s on
-the H100, 60-89 s on the H200). FlashInfer loads a module from `flashinfer/data/aot/<name>/
-<name>.so` without building when that file exists (jit/core.py: JitSpec.is_aot), and its modules
-bind through tvm-ffi, not torch's C++ ABI: a module compiled here with the same FlashInfer, the
-same nvcc (13.0, as on the image) and the device's arch is the one the device would build.
+FlashInfer's JIT build of the bench's modules (the FA2 and FA3 batch-prefill modules of both
+dtypes and the cascade merge, 42 nvcc units) takes 60-112 s on an H100 or H200 host. FlashInfer
+loads a module from `flashinfer/data/aot/<name>/<name>.so` without building when that file
+exists (jit/core.py: JitSpec.is_aot), and its modules bind through tvm-ffi, not torch's C++ ABI:
+a module compiled elsewhere with the same FlashInfer, the same nvcc (13.0, as on the image) and
+the GPU's arch is the one the GPU host would build.
 
-  build    (here, once: ~14 min on 2 cores) compiles the modules
-           bench.flashinfer_baselines.jit_module_specs() names, for sm_90a from the carried
-           FlashInfer wheel, and packs the .so files with a manifest
-           into benchmarks/gpu/wheels/flashinfer_aot_sm90a.tar.xz, which the device call carries
+  build    (once, on any machine with nvcc: ~14 min on 2 cores) compiles the modules
+           bench.flashinfer_baselines.jit_module_specs() names, for sm_90a from the fetched
+           FlashInfer wheel, and packs the .so files with a manifest into
+           benchmarks/gpu/offline/wheels/flashinfer_aot_sm90a.tar.xz, copied to the GPU host
            with the wheels (git ignores the folder).
-  install  (there: run_on_device.sh) unpacks them into the installed FlashInfer's data/aot if
-           the manifest's FlashInfer version and arch are the device's, then loads each module
-           in a fresh process (torch, then tvm_ffi.load_module) and removes any that does not
-           load, which FlashInfer then JIT-builds as before: at worst the call is as slow as
+  install  (on the GPU host: run_on_device.sh) unpacks them into the installed FlashInfer's
+           data/aot if the manifest's FlashInfer version and arch are the GPU's, then loads each
+           module in a fresh process (torch, then tvm_ffi.load_module) and removes any that does
+           not load, which FlashInfer then JIT-builds as before: at worst the run is as slow as
            without the pack.
 
-    python3 benchmarks/gpu/flashinfer_aot.py build
-    python3 benchmarks/gpu/flashinfer_aot.py install --site /tmp/site --arch 9.0a
+    python3 benchmarks/gpu/offline/flashinfer_aot.py build
+    python3 benchmarks/gpu/offline/flashinfer_aot.py install --site /tmp/site --arch 9.0a
 """
 from __future__ import annotations
 
@@ -124,18 +124,18 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-# ---- build (here)
+# ---- build (any machine with nvcc)
 
 def _one(pattern: str) -> Path:
     found = sorted(WHEELS.glob(pattern))
     if len(found) != 1:
-        raise SystemExit(f"want one {pattern} in {WHEELS} (bash benchmarks/gpu/fetch_wheels.sh), "
+        raise SystemExit(f"want one {pattern} in {WHEELS} (bash benchmarks/gpu/offline/fetch_wheels.sh), "
                          f"found {len(found)}")
     return found[0]
 
 
 def build(out: Path, work: Path, jobs: int) -> None:
-    """Installs the carried FlashInfer (and this Python's build of the same tvm-ffi) into work,
+    """Installs the fetched FlashInfer (and this Python's build of the same tvm-ffi) into work,
     compiles the bench's modules for ARCH there, and packs them."""
     fi_wheel, ffi_wheel = _one("flashinfer_python-*.whl"), _one("apache_tvm_ffi-*.whl")
     ffi_version = ffi_wheel.name.split("-")[1]
@@ -146,16 +146,16 @@ def build(out: Path, work: Path, jobs: int) -> None:
                    check=True)
     cudaflags = []
     if not (cuda / "include" / "curand_kernel.h").exists():
-        # FA3's headers include curand_kernel.h; the device takes it from torch's nvidia-curand.
+        # FA3's headers include curand_kernel.h; the GPU host takes it from torch's nvidia-curand.
         subprocess.run(pip + ["nvidia-curand"], check=True)
         cudaflags = [f"-I{next(site.glob('nvidia/*/include'))}"]
-    # The link names -lcuda; the driver is the device's (the module's NEEDED libcuda.so.1, if
+    # The link names -lcuda; the driver is the GPU host's (the module's NEEDED libcuda.so.1, if
     # any, resolves there). An empty stub with that soname satisfies the linker here.
     stub.mkdir(parents=True, exist_ok=True)
     (stub / "stub.c").write_text("")
     subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
                     str(stub / "libcuda.so"), str(stub / "stub.c")], check=True)
-    env = dict(os.environ, PYTHONPATH=f"{site}:{HERE.parents[1]}", CUDA_HOME=str(cuda),
+    env = dict(os.environ, PYTHONPATH=f"{site}:{HERE.parents[2]}", CUDA_HOME=str(cuda),
                FLASHINFER_CUDA_ARCH_LIST=ARCH, FLASHINFER_WORKSPACE_BASE=str(work),
                FLASHINFER_EXTRA_LDFLAGS=f"-L{stub}", MAX_JOBS=str(jobs),
                FLASHINFER_EXTRA_CUDAFLAGS=" ".join(cudaflags))
@@ -194,8 +194,8 @@ def install(site: Path, tar_path: Path, arch: str) -> int:
         return 0
     aot_dir = Path(flashinfer.__file__).parent / "data" / "aot"
     stamp, digest = aot_dir / ".pack_sha256", _sha256(tar_path)
-    if stamp.exists() and stamp.read_text() == digest:       # a warm machine's earlier call
-        print(f"ready (installed by an earlier call: {stamp.with_suffix('.txt').read_text()})")
+    if stamp.exists() and stamp.read_text() == digest:       # an earlier run on this host
+        print(f"ready (installed by an earlier run: {stamp.with_suffix('.txt').read_text()})")
         return 0
     try:
         names, why = unpack(tar_path, aot_dir, flashinfer.__version__, arch)

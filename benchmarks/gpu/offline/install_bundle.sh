@@ -1,37 +1,39 @@
 #!/usr/bin/env bash
-# Device side of the vLLM 0.32.0 bundle, or 0.33.0's (VLLM_RELEASE below; bundle.py builds both;
-# README.md has the call sequence).
-# Run in the repo root on the lent GPU machine:
-#   bash benchmarks/gpu/install_bundle.sh facts      # python, GPU, the image's CUDA wheels
-#   bash benchmarks/gpu/install_bundle.sh collect    # this call's .bundle/cNN part -> /tmp, marker
-#                                                    # (and a detached bench's progress)
-#   bash benchmarks/gpu/install_bundle.sh unpack     # reassemble the parts, verify every wheel
-#   bash benchmarks/gpu/install_bundle.sh install    # unpack, pip --target, link CUDA libs, check
-#   bash benchmarks/gpu/install_bundle.sh check      # import vllm, CUDA, vLLM's ops, the plugin
-#   bash benchmarks/gpu/install_bundle.sh gputests   # the GPU tests that need vLLM (#9's goals)
-#   eval "$(bash benchmarks/gpu/install_bundle.sh env)"   # exports for vllm serve / bench
-# Everything lives under /tmp, which the device keeps between calls while the machine is warm.
-# vLLM runs on the image's torch 2.11 unless the torch group (torch 2.13, triton 3.7.1) was
-# collected: it is, only if check fails on the image's torch (device_image.py TORCH_STACK).
+# The GPU host's side of the vLLM 0.32.0 bundle, or 0.33.0's (VLLM_RELEASE below; bundle.py
+# builds both; README.md has the steps). In the checkout's root on the GPU host:
+#   bash benchmarks/gpu/offline/install_bundle.sh SUB     SUB is one of
+#     facts      python, GPU, the image's CUDA wheels
+#     collect    the .bundle/cNN parts copied so far -> /tmp (and a detached bench's progress)
+#     unpack     reassemble the parts, verify every wheel
+#     install    unpack, pip --target, link CUDA libs, check
+#     check      import vllm, CUDA, vLLM's ops, the plugin
+#     gputests   the GPU tests that need vLLM
+#     installed  exit 0 if `install` has run on this host
+#     env        exports for vllm serve / bench: eval "$(bash .../install_bundle.sh env)"
+# Everything lives under /tmp (the VLLM_* variables below move it), so parts can be copied and
+# collected one at a time. vLLM runs on the image's torch 2.11 unless the torch group (torch
+# 2.13, triton 3.7.1) was collected: it is, only if check fails on the image's torch
+# (device_image.py TORCH_STACK).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+SELF=$(realpath "$0")
+cd "$(dirname "$0")/../../.."
 REPO=$PWD
-# VLLM_RELEASE=0.33.0 in every call: vLLM 0.33's bundle (bundle.py --vllm 0.33.0: core alone),
-# its own manifest, carried folder and folders under /tmp (the marker is the machine's).
+# VLLM_RELEASE=0.33.0 before every command: vLLM 0.33's bundle (bundle.py --vllm 0.33.0: core
+# alone), its own manifest, parts folder and folders under /tmp (the marker is the host's).
 case ${VLLM_RELEASE:-0.32.0} in
   0.32.0) TAG= ;;
   0.33.0) TAG=-vllm0.33.0 ;;
   *) echo "VLLM_RELEASE=$VLLM_RELEASE: no bundle for it (bundle.py RELEASES: 0.32.0, 0.33.0)"
      exit 2 ;;
 esac
-MANIFEST=$(realpath "${VLLM_MANIFEST:-benchmarks/gpu/bundle_manifest${TAG/-/_}.txt}")
-BUNDLE=${VLLM_BUNDLE_DIR:-.bundle$TAG}     # where this call's carried part lies (.bundle/cNN)
-PARTS=${VLLM_PARTS:-/tmp/vllm_parts$TAG}   # parts gathered over the calls
+MANIFEST=$(realpath "${VLLM_MANIFEST:-benchmarks/gpu/offline/bundle_manifest${TAG/-/_}.txt}")
+BUNDLE=${VLLM_BUNDLE_DIR:-.bundle$TAG}     # where the copied parts lie (.bundle/cNN)
+PARTS=${VLLM_PARTS:-/tmp/vllm_parts$TAG}   # parts gathered, one collect after another
 WHEELS=${VLLM_WHEELS:-/tmp/vllm_wheels$TAG}   # the reassembled tars, unpacked
 SITE=${VLLM_SITE:-/tmp/vllm_site$TAG}      # pip --target: goes first on PYTHONPATH
-MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}   # a line per part call, either release
+MARKER=${VLLM_MARKER:-/tmp/vllm_bundle.marker}   # a line per collect, either release
 PY=${PYTHON:-python3}                      # the image's python (torch 2.11, nvidia-* wheels)
-SESSION_ENV=${SESSION_ENV:-/tmp/chunkattn_session.env}   # run_on_device.sh's knobs for the session
+KNOBS_ENV=${KNOBS_ENV:-/tmp/chunkattn_knobs.env}   # knobs run_on_device.sh settled on this host
 NCCL_MIN=2.29                              # torch 2.13 needs symbols NCCL 2.28 lacks (bundle.py)
 COMPAT=$SITE/nccl_compat.so                # ... which nccl_compat.c defines, when it is preloaded
 
@@ -87,20 +89,20 @@ facts() {
   df -h /tmp | tail -1
 }
 
-collect() {   # copy the part(s) carried in this call to $PARTS and verify them at once
+collect() {   # copy the part(s) in $BUNDLE to $PARTS and verify them at once
   mkdir -p "$PARTS"
-  if [ -f "$MARKER" ]; then log "marker found: warm machine, $(wc -l < "$MARKER") earlier call(s)"
-  else log "no marker: fresh machine (or the first call)"; fi
+  if [ -f "$MARKER" ]; then log "marker found: $(wc -l < "$MARKER") earlier collect(s) on this host"
+  else log "no marker: the first collect on this host"; fi
   echo "$(date +%T) $(echo "$BUNDLE"/c*)" >> "$MARKER"
   local f name bytes sha
   for f in "$BUNDLE"/c*/bundle.part*; do
     [ -e "$f" ] || continue
     name=$(basename "$f")
-    [ -f "$PARTS/$name.ok" ] && continue     # an earlier call's folder, still in the tree
+    [ -f "$PARTS/$name.ok" ] && continue     # collected before, still in $BUNDLE
     read -r bytes sha < <(awk -v n="$name" '$1 == "part" && $3 == n {print $4, $5}' "$MANIFEST")
     cp "$f" "$PARTS/$name"
     if [ "$(sha256sum < "$PARTS/$name" | cut -d' ' -f1)" != "$sha" ]; then
-      log "BAD checksum: $name (manifest and carried part differ: rebuild or re-carry)"
+      log "BAD checksum: $name (manifest and copied part differ: rebuild or copy it again)"
       rm -f "$PARTS/$name"; return 1
     fi
     touch "$PARTS/$name.ok"
@@ -111,11 +113,11 @@ collect() {   # copy the part(s) carried in this call to $PARTS and verify them 
     missing=$(parts_of "$g" | while read -r name _; do
       [ -f "$PARTS/$name" ] || echo -n "$name "; done)
     log "group $g: ${missing:+missing }${missing:-complete}${missing:+$(case $g in
-      torch) echo "(carried only if install's check fails on the image's torch)" ;;
-      nccl) echo "(carried only with torch, if install's NCCL check fails with nccl_compat.c)" ;;
+      torch) echo "(copied only if install's check fails on the image's torch)" ;;
+      nccl) echo "(copied only with torch, if install's NCCL check fails with nccl_compat.c)" ;;
       esac)}"
   done < <(awk '$1 == "group" {print $2}' "$MANIFEST")
-  bash benchmarks/gpu/detached_bench.sh status   # issue #9's bench, if one runs beside the parts
+  bash benchmarks/gpu/detached_bench.sh status   # the kernel bench, if one runs beside the copies
 }
 
 assemble() {  # group -> $WHEELS; parts checked again: one bad byte must not reach pip
@@ -166,7 +168,7 @@ unpack() {
     else log "nccl group not carried: the image's NCCL $(image_version nvidia-nccl-cu13)" \
              "with nccl_compat.c preloaded"; fi
   fi
-  "$PY" benchmarks/gpu/recompress.py inflate "$WHEELS"     # big wheels travel as xz
+  "$PY" benchmarks/gpu/offline/recompress.py inflate "$WHEELS"     # big wheels travel as xz
   log "unpacked in $((SECONDS - t0)) s"
 }
 
@@ -175,7 +177,7 @@ nccl_compat() {     # torch 2.13's shim, unless NCCL 2.29 came in the nccl group
   if torch_carried && nccl_needed && [ -L "$SITE/nvidia/nccl" ]; then
     local cc; cc=$(c_compiler || true)
     if [ -z "$cc" ]; then log "no C compiler for nccl_compat.c: carry the nccl group"; return 0; fi
-    "$cc" -x c -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/nccl_compat.c
+    "$cc" -x c -shared -fPIC -O2 -o "$COMPAT" benchmarks/gpu/offline/nccl_compat.c
     log "built $COMPAT with $cc: preloaded by 'env' (torch 2.13 over the image's NCCL)"
   fi
 }
@@ -230,19 +232,19 @@ export PATH=$SITE/bin:\$PATH
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1   # cuDNN 9.19 (image) under torch built on 9.20
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 # FlashInfer is not in the bundle, and vLLM 0.32's V2 model runner imports its FlashInfer
-# attention backend to choose a sampler unless this is 0 (H100, 2026-11-26: the engine died on
+# attention backend to choose a sampler unless this is 0 (without it the engine dies on
 # "No module named 'flashinfer'"); stock and CUSTOM then sample with the same PyTorch sampler.
 export VLLM_USE_FLASHINFER_SAMPLER=0
 export CHUNKATTN_BUILD_DIR=\${CHUNKATTN_BUILD_DIR:-/tmp/chunkattn_jit} MAX_JOBS=\${MAX_JOBS:-16}
 EOF
   if [ -f "$COMPAT" ]; then echo "export LD_PRELOAD=$COMPAT\${LD_PRELOAD:+:\$LD_PRELOAD}"; fi
-  # knobs the kernel-test call settled for the session (run_on_device.sh: overlap_fallback)
-  if [ -f "$SESSION_ENV" ]; then cat "$SESSION_ENV"; fi
+  # knobs a run of the kernel's GPU tests settled on this host (run_on_device.sh: overlap_fallback)
+  if [ -f "$KNOBS_ENV" ]; then cat "$KNOBS_ENV"; fi
 }
 
 check() {
   eval "$(print_env)"
-  TORCH_CARRIED=$(torch_carried && echo 1 || echo 0) "$PY" benchmarks/gpu/install_check.py "$MANIFEST"
+  TORCH_CARRIED=$(torch_carried && echo 1 || echo 0) "$PY" benchmarks/gpu/offline/install_check.py "$MANIFEST"
 }
 
 # The GPU tests that import vLLM skip in run_on_device.sh (the image has none): builder + forward
@@ -271,6 +273,7 @@ case "${1:-}" in
   install) install ;;
   check) check ;;
   gputests) gputests ;;
+  installed) [ -d "$SITE" ] ;;
   env) print_env ;;
-  *) sed -n '2,13p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$SELF"; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""install_bundle.sh's check, on the device after the install (PYTHONPATH from `install_bundle.sh
+"""install_bundle.sh's check, on the GPU host after the install (PYTHONPATH from `install_bundle.sh
 env`): torch sees the GPU, NCCL works, vLLM and its CUDA extensions load and compute right on this
 torch (the image's 2.11 unless the torch group was carried: TORCH_CARRIED), our kernel builds,
 the plugin's entry point is there, every distribution of the closure is installed. Prints
@@ -95,7 +95,7 @@ if cuda:
               repr(e)[-400:])
         ok = False
     # Our CUDA kernel for this torch, built here (~1 min) rather than inside the CUSTOM server's
-    # start, whose call has its own budget (serve_ab.sh); the build is cached by torch version.
+    # start, which runs under serve_ab.sh's time limit; the build is cached by torch version.
     import time
     t = time.time()
     try:

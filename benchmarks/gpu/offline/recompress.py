@@ -1,7 +1,7 @@
-"""Big wheels re-compressed for the trip to the lent GPU, and back to wheels there.
+"""Big wheels re-compressed for the trip to a GPU host without network, and back to wheels there.
 
 A wheel is a deflated zip. LZMA over the same bytes stored takes about 30 % more off (vllm
-0.32.0: 311 -> 215 MiB), and every 50 MiB saved is one device call fewer. Here (bundle.py):
+0.32.0: 311 -> 215 MiB), and every 50 MiB saved is one part fewer to copy. Here (bundle.py):
 the members are re-written into a zip that stores them (same names, times, modes; pip
 installs it like the original, its RECORD still matches), cut into 32 MiB blocks that are
 compressed on every core, each an xz stream of its own, back to back in NAME.whl.xz. There
