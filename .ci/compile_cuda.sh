@@ -29,7 +29,7 @@ flags=(-std=c++20 -O3 --expt-relaxed-constexpr -DTORCH_EXTENSION_NAME=_C -Icsrc 
        -Xptxas -warn-spills -diag-suppress 3306)
 sm90=(-gencode arch=compute_90a,code=sm_90a)
 # CUBIN=out.cubin CUBIN_SRC=csrc/cuda/x.cu: that one file for sm_90a only, to a cubin (its SASS
-# read by tests/test_cuda_codegen.py), with the same flags.
+# read by tests/kernels/test_cuda_codegen.py), with the same flags.
 if [ -n "${CUBIN:-}" ]; then
   nvcc "${flags[@]}" "${sm90[@]}" $inc -cubin "${CUBIN_SRC:?}" -o "$CUBIN"
   exit $?

@@ -10,7 +10,7 @@ A malformed value raises a ValueError naming the variable and the type it expect
 being read as some default. The knobs read by the native kernel (std::getenv in csrc/), by
 setup.py and by tests are registered here too, with who reads them, so that
 docs/configuration.md (`python -m vllm_chunkattn.envs --markdown`) lists them all;
-tests/test_envs.py checks that no CHUNKATTN_* name is read or mentioned without being here.
+tests/core/test_envs.py checks that no CHUNKATTN_* name is read or mentioned without being here.
 
 This module imports neither torch nor vLLM: setup-time code and light tools may use it.
 """
@@ -154,7 +154,7 @@ _KNOBS = [
          "(the default where the cache fits).", (_K,)),
     # --- tests ---
     Knob("CHUNKATTN_COMPILE_TEST", "bool", False,
-         "Run the full CUDA compile check of tests/test_cuda_contract.py (minutes).", (_T,)),
+         "Run the full CUDA compile check of tests/kernels/test_cuda_contract.py (minutes).", (_T,)),
     Knob("CHUNKATTN_REQUIRE_VLLM_SOURCES", "bool", False,
          "Fail, instead of skip, the tests needing vLLM's sources when they cannot be fetched "
          "(CI sets it).", (_T,)),

@@ -5,7 +5,7 @@ its scheduler runs beside ours here. Without a driver vLLM's extensions need a s
 (import_probe re-executes the process with one when none loads).
 
 Usage (benchmarks/gpu/rehearsal.md, "vLLM 0.33 without a GPU"):
-  PYTHONPATH=$PWD/benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/test_async_scheduling.py
+  PYTHONPATH=$PWD/benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/plugin/test_async_scheduling.py
 """
 import rehearse_cuda_glue
 

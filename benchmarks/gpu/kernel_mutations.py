@@ -1,4 +1,4 @@
-"""Do tests/test_cuda_host.py and tests/test_cuda_simt_emulation.py catch a broken CUDA kernel?
+"""Do tests/kernels/test_cuda_host.py and tests/kernels/test_cuda_simt_emulation.py catch a broken CUDA kernel?
 Each mutation below is a bug of a kind that kernel work makes (a fragment layout, a missing wait
 or barrier, a mask, the smem size, the grid dependency of the overlapped final launch, the work
 decomposition and its KV splits, on the host and in a padded plan's CTAs);
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ("cuda/tpp_params.cuh", "cuda/tpp_attend_tile.cuh", "cuda/tpp_slot_merge.cuh",
           "cuda/tpp_kernels.cuh")
 HOST = "cuda/tpp_host.h"
-TESTS = ["tests/test_cuda_host.py", "tests/test_cuda_simt_emulation.py"]   # host first: seconds
+TESTS = ["tests/kernels/test_cuda_host.py", "tests/kernels/test_cuda_simt_emulation.py"]   # host first: seconds
 
 # (name, text in one of KERNEL's files, its replacement); each text occurs exactly once in them.
 MUTATIONS = [

@@ -195,14 +195,14 @@ if (( build_rc == 0 )); then
   xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
   ptimeout=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=150")
   if want tests; then
-    gpu_files=$(grep -l -E "mark\.gpu" tests/test_*.py)
+    gpu_files=$(grep -l -E "mark\.gpu" tests/*/test_*.py)
     # shellcheck disable=SC2086  # word splitting of the optional flags and file list
     stage gpu-tests 200 "$WORK/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
       -m "gpu and not timeline" $xdist $ptimeout --junitxml="$WORK/tests_gpu.xml" $gpu_files \
       || overlap_fallback || FAILED=1
     # shellcheck disable=SC2086
     stage host-tests 90 "$WORK/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider $xdist \
-      --junitxml="$WORK/tests_host.xml" tests/test_cuda_contract.py \
+      --junitxml="$WORK/tests_host.xml" tests/kernels/test_cuda_contract.py \
       || FAILED=1
     # A run where every GPU test skipped (torch saw no GPU) exits 0 but tested nothing.
     if ! junit_counts gpu-tests "$WORK/tests_gpu.xml"; then

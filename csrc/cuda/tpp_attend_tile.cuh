@@ -42,7 +42,7 @@ struct KvRows {
 // are loaded first, all at once, and the copies issued after: written as one loop (id, then its
 // copy), nvcc (13.0, sm_90a) keeps each copy waiting on its own id load and a branch, eight
 // dependent load latencies a stage in a row (SASS: LDG.E.CONSTANT -> ~100 instructions ->
-// LDGSTS, eight times; tests/test_cuda_codegen.py).
+// LDGSTS, eight times; tests/kernels/test_cuda_codegen.py).
 template <typename T, int D, int TOKENS>
 __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
                                               int t0, int t_end, int kv_head) {

@@ -1,5 +1,5 @@
 // A CPU stand-in for the part of CUDA that csrc/cuda/tpp_kernels.cuh (and the headers it includes) uses, so that its kernels,
-// unchanged, run in tests on a machine without a GPU (tests/test_cuda_simt_emulation.py).
+// unchanged, run in tests on a machine without a GPU (tests/kernels/test_cuda_simt_emulation.py).
 //
 // Each CUDA thread of a CTA is a fiber (simt_emu.cpp); CTAs run one after another. The warp
 // instructions (ldmatrix, mma.sync m16n8k16, shfl) exchange every lane's operands and compute

@@ -1,6 +1,6 @@
 // The warp instructions the TPP kernels rest on (ldmatrix .x4 and .x4.trans, mma.sync m16n8k16),
 // run once on known operands. Built by nvcc for a GPU (ptx_probe_cuda.cu) and for the SIMT
-// emulation (csrc/cuda_emu/ptx_probe_emulated.cpp): tests/test_ptx_probe.py compares the two bit
+// emulation (csrc/cuda_emu/ptx_probe_emulated.cpp): tests/kernels/test_ptx_probe.py compares the two bit
 // for bit on a GPU, which checks on the hardware the fragment layouts that the emulation, and so
 // every emulated kernel test, assumes (they are read from the PTX ISA, not measured). If the GPU
 // tests of the kernel fail, this says whether an instruction's layout is the cause.

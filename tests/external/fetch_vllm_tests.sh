@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch vLLM's own sources (tests/ and the Python package, no build) at one version from its
 # source distribution on the package registry, into .cache/vllm-src/VERSION (git-ignored).
-# vLLM's tests are never copied into this repo; tests/test_vllm_external.py runs them from here.
+# vLLM's tests are never copied into this repo; tests/external/test_vllm_external.py runs them from here.
 #
 #   bash tests/external/fetch_vllm_tests.sh [VERSION]     # default 0.32.0; cached after the first run
 #

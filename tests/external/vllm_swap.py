@@ -1,5 +1,5 @@
 """pytest plugin (`-p vllm_swap`) that runs vLLM's own tests against this package instead of
-vLLM's KV cache manager and attention backend. tests/test_vllm_external.py loads it in a
+vLLM's KV cache manager and attention backend. tests/external/test_vllm_external.py loads it in a
 subprocess on the sources tests/external/fetch_vllm_tests.sh fetched.
 
 - Every `KVCacheManager(...)` vLLM's tests or its Scheduler build is a `ChunkTreeKVCacheManager`

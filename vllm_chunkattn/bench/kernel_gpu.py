@@ -17,7 +17,7 @@ with no split spares (the builder's graph mode). Eager timings carry
 each launch's host work (the cascade: a launch and an output allocation per level, plus a
 merge), which the graph replay leaves out; graph against graph compares the GPU work alone. Our
 graph is captured with the plan in static device buffers, as
-tests/test_ops_cuda.py::test_cuda_graph_replay does.
+tests/kernels/test_ops_cuda.py::test_cuda_graph_replay does.
 
 Every output is checked against the fp32 per-sequence reference (tpp_decode_reference with the
 empty plan: it knows nothing of the tree) before anything is timed. A contender that disagrees is

@@ -179,7 +179,7 @@ def load_simt_emulation(csrc_dir, verbose: bool = False) -> None:
 
 def load_ptx_probe(csrc_dir, verbose: bool = False) -> None:
     """Builds (or reuses) and loads csrc/ptx_probe for the local GPU: torch.ops.chunkattn_probe.
-    ptx_probe runs ldmatrix / mma.sync once on known operands (tests/test_ptx_probe.py compares it
+    ptx_probe runs ldmatrix / mma.sync once on known operands (tests/kernels/test_ptx_probe.py compares it
     with the SIMT emulation). Test-only; needs nvcc and a CUDA torch."""
     from torch.utils import cpp_extension
 

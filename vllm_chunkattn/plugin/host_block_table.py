@@ -16,7 +16,7 @@ cm.block_table_tensor by its data pointer, or returns None where it cannot (kern
 splitting, context parallelism, another runner).
 On CPU the table handed to the builder lives on the host too: the builder plans from the runner's
 host rows there as well, and with CHUNKATTN_CHECK_HOST_ROWS=1 compares them with that table every
-step, raising on a difference (tests/test_v2_model_runner.py runs V2 that way).
+step, raising on a difference (tests/serving/test_v2_model_runner.py runs V2 that way).
 """
 from __future__ import annotations
 

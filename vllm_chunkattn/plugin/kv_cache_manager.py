@@ -2,7 +2,7 @@
 
 Prefix matching, caching and eviction go through `ChunkPrefixTree`; vLLM's block-hash map and
 free queue are never consulted on this path. Every method vLLM's scheduler calls is defined here
-(tests/test_kv_cache_manager.py checks the installed vLLM): a tree answer, an explicit delegation
+(tests/plugin/test_kv_cache_manager.py checks the installed vLLM): a tree answer, an explicit delegation
 to the wrapped stock manager where vLLM's state is still the truth (hit statistics), or a clear
 refusal; a KVCacheManager method vLLM calls that is missing here is an AttributeError naming
 it, never stock code running on state the tree does not fill. The stock manager's

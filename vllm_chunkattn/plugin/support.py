@@ -10,7 +10,7 @@ Three places ask, each as early as it can know:
 - where the tree scheduler meets the KV cache layout (scheduler.py).
 Two messages: what TPP decode cannot compute exactly (`refusal`), and what the chunk prefix tree
 cannot manage (`tree_refusal`). `python -m vllm_chunkattn.plugin.support` prints the table the
-README shows (tests/test_support_matrix.py keeps them the same).
+README shows (tests/plugin/test_support_matrix.py keeps them the same).
 """
 from __future__ import annotations
 

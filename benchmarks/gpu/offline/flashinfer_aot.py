@@ -42,7 +42,7 @@ PACK = WHEELS / "flashinfer_aot_sm90a.tar.xz"
 MANIFEST = "manifest.json"
 
 
-# ---- the pack: pure file work (tests/test_flashinfer_aot.py)
+# ---- the pack: pure file work (tests/gpu_tools/test_flashinfer_aot.py)
 
 def pack(modules: dict[str, Path], manifest: dict, out: Path) -> Path:
     """modules: name -> built .so; the tar holds <name>/<name>.so and manifest.json."""

@@ -254,7 +254,7 @@ gputests() {
   bash benchmarks/gpu/detached_bench.sh wait     # the GPU is a detached bench's until it ends
   eval "$(print_env)"
   local files last
-  mapfile -t files < <(grep -l -E "mark\.gpu" tests/test_*.py | xargs grep -l 'importorskip("vllm")')
+  mapfile -t files < <(grep -l -E "mark\.gpu" tests/*/test_*.py | xargs grep -l 'importorskip("vllm")')
   log "GPU tests under vLLM: ${files[*]}"
   "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu "${files[@]}" 2>&1 \
     | tee /tmp/vllm_gputests.log || true      # judged by its last line below

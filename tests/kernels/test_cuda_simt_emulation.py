@@ -6,7 +6,7 @@ The emulation computes ldmatrix / mma.sync fragments from the PTX ISA's layouts,
 data only at the wait that covers it (or, `at_issue`, at once), lets warps drift apart, starts
 shared memory as NaN and checks every ldmatrix / cp.async address: a wrong fragment layout, a
 missing wait or __syncthreads, or an out-of-bounds access fails here. Not a timing or hardware
-test: tests/test_ops_cuda.py runs the same cases on a GPU."""
+test: tests/kernels/test_ops_cuda.py runs the same cases on a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -280,7 +280,7 @@ def test_refuses_what_the_kernel_cannot_take(emu):
 @pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
 def test_refuses_a_scale_that_is_not_positive(emu, scale):
     # The kernel scales each row's max of the raw scores alone (mask_and_max): a negative scale
-    # would make it the min. The CPU op refuses the same (tests/test_ops_cpu.py).
+    # would make it the min. The CPU op refuses the same (tests/kernels/test_ops_cpu.py).
     b = batch("batch_1", dtype=torch.float16, head_size=64)
     b.scale = scale
     with pytest.raises(RuntimeError, match="scale must be positive and finite"):

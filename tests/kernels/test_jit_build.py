@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import SIMT_CSRC
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_moved_checkout_reuses_the_built_library(emu, tmp_path):

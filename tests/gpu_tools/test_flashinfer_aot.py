@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-OFFLINE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "offline"
+OFFLINE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "offline"
 sys.path.insert(0, str(OFFLINE))
 import flashinfer_aot as aot  # noqa: E402
 

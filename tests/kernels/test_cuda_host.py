@@ -2,7 +2,7 @@
 called through the SIMT emulation's library (chunkattn_simt.tpp_work), no GPU. KV splits always
 fit the workspace, follow the overrides, stay off short work, and size the partial launch to the
 device's waves. Whether the kernel computes the right result under every decomposition is
-tests/test_cuda_simt_emulation.py's job (the kernel's own source, against the reference)."""
+tests/kernels/test_cuda_simt_emulation.py's job (the kernel's own source, against the reference)."""
 from __future__ import annotations
 
 import math
@@ -129,7 +129,7 @@ def test_the_launch_table_covers_the_gpu_grid(emu, capsys, monkeypatch):
     from vllm_chunkattn.bench.kernel_trees import grid_points
     from conftest import SIMT_CSRC            # the library emu loaded: a second one would abort
     monkeypatch.setattr(sys, "argv", ["launch_waves.py", "--csrc", str(SIMT_CSRC)])
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks/gpu/launch_waves.py"),
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/gpu/launch_waves.py"),
                    run_name="__main__")
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and not line.startswith(("| grid", "|---"))]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("sass_stage_counts",
                                               ROOT / "benchmarks" / "gpu" / "sass_stage_counts.py")
 tool = importlib.util.module_from_spec(spec)

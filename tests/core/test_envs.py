@@ -8,7 +8,7 @@ import pytest
 
 from vllm_chunkattn import envs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 REGENERATE = ".venv/bin/python -m vllm_chunkattn.envs --markdown > docs/configuration.md"
 

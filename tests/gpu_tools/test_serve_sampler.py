@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLER = ROOT / "benchmarks" / "gpu" / "serve_sampler.py"
 PAGE = ('# HELP vllm:kv_cache_usage_perc KV-cache usage\n'
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.125\n'

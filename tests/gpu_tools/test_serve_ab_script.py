@@ -19,7 +19,7 @@ import pytest
 from vllm_chunkattn.bench import serve_ab_report, serve_metrics, serve_steps
 from vllm_runs import GPU_DEFAULTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "serve_ab.sh"
 MODEL = ROOT / "models" / "tiny-llama"
 

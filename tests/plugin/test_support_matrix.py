@@ -8,7 +8,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm_chunkattn.plugin import support
 from vllm_chunkattn.plugin.backend import ChunkAttnBackend
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OFFLINE = REPO / "benchmarks" / "gpu" / "offline"
 sys.path.insert(0, str(OFFLINE))
 sys.path.insert(1, str(OFFLINE.parent))     # import_probe.py, beside run_on_device.sh

@@ -379,7 +379,7 @@ def test_every_named_point_is_a_point_of_its_grid():
     grid's would drop a sweep silently, or fail ncu_points.py on the device (StopIteration)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(
-        "ncu_points", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "ncu_points.py"))
+        "ncu_points", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu", "ncu_points.py"))
     ncu_points = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ncu_points)
     named = (kernel_gpu.SPLIT_SWEEP_POINTS | kernel_gpu.TAIL_SWEEP_POINTS | kernel_gpu.FINAL_SWEEP_POINTS
