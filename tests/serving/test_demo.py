@@ -11,7 +11,7 @@ from vllm_runs import assert_native_kernel
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
 
 
 def test_demo_ab_screen_same_tokens_native_kernel():
@@ -21,6 +21,8 @@ def test_demo_ab_screen_same_tokens_native_kernel():
     assert run.returncode == 0, run.stderr[-3000:]
     assert_native_kernel(out)                  # the demo prints CUSTOM's start-up line
     assert "same token ids    4 of 4 requests\n" in out, out
+    # The random-weight model's words mean nothing; the screen says so and compares token ids.
+    assert "weights are random" in out and "compared on the token ids" in out, out
     tok_s = [line.split()[2:4] for line in out.splitlines() if line.startswith("  decode tok/s")]
     assert tok_s and all(float(x) > 0 for x in tok_s[0]), out
     # Peak KV of any step (vLLM's step log): both hold the shared prompt, neither can be 0 (the
