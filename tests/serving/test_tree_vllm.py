@@ -4,6 +4,7 @@ n > 1 and reset_prefix_cache; abort mid-decode; the tree's invariants hold every
 requests end every chunk is free or cached; the worker's decode plans share exactly what the
 tree says is shared."""
 import json
+import os
 import sys
 
 import pytest
@@ -116,6 +117,9 @@ def test_manager_hits_like_stock_on_random_workloads(seed):
 def test_abort_mid_decode_releases_everything(tmp_path):
     out = tmp_path / "abort.json"
     env = _debug_env(tmp_path, "a")
+    # Run as a script, this file imports its neighbours and tests/' helpers (vllm_runs).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"),
+                                                     os.environ.get("PYTHONPATH")]))
     import subprocess
     proc = subprocess.run([sys.executable, __file__, str(tiny_model()), str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
