@@ -75,7 +75,7 @@ bash benchmarks/gpu/detached_bench.sh wait   # vLLM reserves most of the GPU: no
 export PYTHONUNBUFFERED=1
 
 PY=${PYTHON:-python3}                        # the image's python (torch, transformers)
-[ -f "$MODEL/config.json" ] || $PY -m vllm_chunkattn.model_shapes --out /tmp/models llama-3-8b
+[ -f "$MODEL/config.json" ] || $PY -m vllm_chunkattn.bench.model_shapes --out /tmp/models llama-3-8b
 TREE=/tmp/models/tree_1024_4x512_16.jsonl    # system 1024 -> 4 documents of 512 -> 16 questions
 mkdir -p /tmp/models
 [ -f $TREE ] || $PY -c "

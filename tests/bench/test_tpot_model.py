@@ -12,7 +12,7 @@ from vllm_chunkattn.bench.linear_layers import (LayerWeights, decoder_layer_with
                                                 gemm_shapes, has_qkv_bias, layer_flops,
                                                 layer_weight_count, lm_head, lm_head_weight)
 from vllm_chunkattn.bench.tpot_model import Point, grid_points, measured_steps, predict
-from vllm_chunkattn.model_shapes import SHAPES, attention_shape
+from vllm_chunkattn.bench.model_shapes import SHAPES, attention_shape
 
 
 def test_predict_adds_layers_head_and_the_plan_once():
@@ -46,7 +46,7 @@ def test_llama_3_8b_gemms_hold_its_layer_weights():
 
 def test_qwen2_5_32b_shape(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from vllm_chunkattn.model_shapes import make_shape_model
+    from vllm_chunkattn.bench.model_shapes import make_shape_model
     c = transformers.AutoConfig.from_pretrained(make_shape_model("qwen2.5-32b", tmp_path / "q"))
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (5120, 27648, 64)
     assert (c.num_attention_heads, c.num_key_value_heads) == (40, 8)

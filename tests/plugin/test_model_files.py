@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from vllm_chunkattn.model_shapes import attention_shape, has_weights, make_shape_model  # noqa: E402
+from vllm_chunkattn.bench.model_shapes import attention_shape, has_weights, make_shape_model  # noqa: E402
 from vllm_chunkattn.tiny_model import make_tiny_model  # noqa: E402
 
 

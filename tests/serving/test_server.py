@@ -209,7 +209,7 @@ def test_a_config_without_a_model_is_checked_for_what_it_has():
 def test_the_models_we_serve_are_not_refused(tmp_path):
     """No refusal where the layers would accept: the Qwen2 configs carry a sliding_window that
     their use_sliding_window=false turns off; each gets the tree as its KV cache manager."""
-    from vllm_chunkattn.model_shapes import SHAPES, make_shape_model
+    from vllm_chunkattn.bench.model_shapes import SHAPES, make_shape_model
     from vllm_chunkattn.plugin import ASYNC_SCHEDULER_PATH, SCHEDULER_PATH
     models = [tiny_model()] + [make_shape_model(name, tmp_path / name) for name in SHAPES]
     for model in models:

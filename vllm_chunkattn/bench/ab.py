@@ -34,7 +34,7 @@ from vllm_chunkattn.bench.server_client import (SERVED_NAME, MetricsSampler, ben
                                                scrape, tiny_request)
 from vllm_chunkattn.bench.ab_workloads import (Workload, full_workloads, smoke_workloads,
                                                write_tree_jsonl)
-from vllm_chunkattn.model_shapes import has_weights
+from vllm_chunkattn.bench.model_shapes import has_weights
 from vllm_chunkattn.bench.server_process import ServerError, ServerProcess
 
 # Flags added to the common server flags per system. Stock keeps vLLM's default prefix caching

@@ -26,7 +26,7 @@ from vllm_chunkattn.bench import provenance
 from vllm_chunkattn.bench.ab import TINY_SERVER_ARGS, run_workload
 from vllm_chunkattn.bench.ab_workloads import full_workloads
 from vllm_chunkattn.bench.server_client import SERVED_NAME, kv_capacity_tokens, log, tiny_request
-from vllm_chunkattn.model_shapes import has_weights
+from vllm_chunkattn.bench.model_shapes import has_weights
 from vllm_chunkattn.bench.server_process import ServerProcess
 
 CUSTOM = ["--attention-backend", "CUSTOM"]

@@ -350,7 +350,7 @@ def main(argv=None) -> int:
                         "(default: the --model-shape's, else 16)")
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--model-shape", default=None,
-                   help="heads / kv heads / head size of a vllm_chunkattn.model_shapes shape "
+                   help="heads / kv heads / head size of a vllm_chunkattn.bench.model_shapes shape "
                         "(e.g. llama-3.2-1b) instead of the grid's and --head-size")
     p.add_argument("--reps", type=int, default=7, help="timed repeats (fewer past ~2 s a point)")
     p.add_argument("--naive-max-b", type=int, default=8,
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
         from .kernel_gpu import run_tree_grids
         return run_tree_grids(args, command)
     args.heads = None
-    from ..model_shapes import SHAPES, attention_shape
+    from .model_shapes import SHAPES, attention_shape
     if args.model_shape:
         if args.model_shape not in SHAPES:
             p.error(f"--model-shape: choose from {list(SHAPES)}")

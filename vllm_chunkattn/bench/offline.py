@@ -31,7 +31,7 @@ from pathlib import Path
 
 from vllm_chunkattn.bench import provenance
 from vllm_chunkattn.bench.token_identity import TOP_K, compare, position_logprobs
-from vllm_chunkattn.model_shapes import describe, has_weights
+from vllm_chunkattn.bench.model_shapes import describe, has_weights
 
 SYSTEMS = ("stock", "custom")
 COLUMNS = ["workload", "shared_len", "private_len", "prompt_len", "batch", "max_tokens", "system",
@@ -289,7 +289,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench offline",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="local model dir (default: the tiny model); "
-                   "a dir without weights (vllm_chunkattn.model_shapes) loads dummy weights")
+                   "a dir without weights (vllm_chunkattn.bench.model_shapes) loads dummy weights")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=64, help="CPU_ATTN needs a multiple of 32")
     p.add_argument("--shared", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2048],

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..model_shapes import SHAPES, attention_shape
+from .model_shapes import SHAPES, attention_shape
 from ..plan import build_plan, empty_plan
 from . import provenance
 from .kernel import (KvPool, cpu_attn, flashinfer_decode, host_ms, machine, markdown_table,

@@ -1,8 +1,8 @@
 """Benchmark models at the shapes of real public architectures: config.json + the tiny model's
 word-level tokenizer, no weights (serve with `--load-format dummy`; bench ab/offline add it).
 
-    python -m vllm_chunkattn.model_shapes --out models                  # all shapes
-    python -m vllm_chunkattn.model_shapes --out models llama-3.2-1b     # models/llama-3.2-1b
+    python -m vllm_chunkattn.bench.model_shapes --out models                  # all shapes
+    python -m vllm_chunkattn.bench.model_shapes --out models llama-3.2-1b     # models/llama-3.2-1b
 
 The configs are the public ones (meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.2-1B,
 Qwen/Qwen2.5-32B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B) except the special token ids, which
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .tiny_model import save_tokenizer
+from ..tiny_model import save_tokenizer
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
           "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
@@ -88,7 +88,7 @@ def make_shape_model(name: str, out: str | Path) -> Path:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.model_shapes",
+    p = argparse.ArgumentParser(prog="python -m vllm_chunkattn.bench.model_shapes",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--out", default="models", help="parent folder: writes OUT/<name>")
     p.add_argument("names", nargs="*", metavar="NAME",
