@@ -272,11 +272,7 @@ def _plots(rows, setup, out: Path, tag: str) -> list[Path]:
         ax.set_title(f"Normalised latency vs request rate ({tag})")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        p = out / f"ab_{tag}_latency.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / f"ab_{tag}_latency.png"))
     other = [r for r in _ok(rows) if r["group"] != "sweep"]
     if other:
         names = list(dict.fromkeys(r["workload"] for r in other))
@@ -292,9 +288,13 @@ def _plots(rows, setup, out: Path, tag: str) -> list[Path]:
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"Output throughput per workload ({tag})")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out / f"ab_{tag}_throughput.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out / f"ab_{tag}_throughput.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
