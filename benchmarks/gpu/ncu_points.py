@@ -41,7 +41,8 @@ METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Thr
 def run_point(name: str) -> None:
     import torch
 
-    from vllm_chunkattn.bench.kernel import KvPool, ours
+    from vllm_chunkattn.bench.contenders import ours
+    from vllm_chunkattn.bench.kv_pool import KvPool
     from vllm_chunkattn.bench.kernel_gpu import ours_capacity_mode
     from vllm_chunkattn.bench.kernel_trees import grid_points, pool_blocks, tree_block_table
     from vllm_chunkattn.plan import build_plan

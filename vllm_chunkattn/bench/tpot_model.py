@@ -30,8 +30,10 @@ import torch
 from .model_shapes import SHAPES, attention_shape
 from ..plan import build_plan, empty_plan
 from . import provenance
-from .kernel import (KvPool, cpu_attn, flashinfer_decode, host_ms, machine, markdown_table,
-                     ours, plan_step, vllm_cpu_isa)
+from .contenders import (cpu_attn, flashinfer_decode, host_ms, machine, ours, plan_step,
+                         vllm_cpu_isa)
+from .kernel import markdown_table
+from .kv_pool import KvPool
 from .linear_layers import (LayerWeights, decoder_layer_without_attention, layer_flops, lm_head,
                             lm_head_weight)
 from .roofline import kv_bytes_per_token, measure_hbm_bandwidth, roofline_us, unique_kv_tokens

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernel import Batch, error_reason
+from .contenders import error_reason
+from .kv_pool import Batch
 
 FULL_GRAPH_MAX_SPLITS = 32     # vLLM 0.32's AttentionConfig.flash_attn_max_num_splits_for_cuda_graph
 
