@@ -116,8 +116,9 @@ class TppDecodeWrapper:
             capacity = PlanCapacity.for_batch(max_num_seqs, table_width)
         self.capacity = capacity
         self.plans = PlanCache(block_size, self.device, capacity=capacity)
-        self.workspace = TppWorkspace(spare_rows_per_partial=0 if use_cuda_graph
-                                      else TppWorkspace.CUDA_SPARE_ROWS_PER_PARTIAL)
+        # Graph plans are padded to capacities that already leave the kernel spare rows.
+        self.workspace = (TppWorkspace(spare_rows_per_partial=0) if use_cuda_graph
+                          else TppWorkspace())
         self.launch: TppLaunch | None = None
 
     def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,

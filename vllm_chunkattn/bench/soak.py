@@ -38,14 +38,14 @@ SERVER_FLAGS = ["--served-model-name", SERVED_NAME, "--dtype", "float32",
 CUSTOM_ENV = {"CHUNKATTN_DEBUG_TREE": "1", "CHUNKATTN_STATS_INTERVAL_S": "1"}
 
 
-async def send(session, url: str, req: SoakRequest, t0: float, timeout_s: float) -> None:
+async def send(client, url: str, req: SoakRequest, t0: float, timeout_s: float) -> None:
     import aiohttp
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, req.arrival_s - (loop.time() - t0)))
     r = req.result
     data = req.raw if req.raw is not None else json.dumps(req.body).encode()
     try:
-        async with session.post(url + "/v1/completions", data=data,
+        async with client.post(url + "/v1/completions", data=data,
                                 headers={"Content-Type": "application/json"},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             r["status"] = resp.status
@@ -100,9 +100,9 @@ async def drive(url: str, requests: list[SoakRequest], timeout_s: float,
 
     async def one(req, t0):
         async with sem:
-            await send(session, url, req, t0, timeout_s)
+            await send(client, url, req, t0, timeout_s)
 
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector) as client:
         t0 = asyncio.get_running_loop().time()
         await asyncio.gather(*(one(r, t0) for r in requests))
 

@@ -200,7 +200,7 @@ class SharingStats(PeriodicStats):
                                                  shared_kv_tokens)
         self.plan_builds = plan_builds
         if self._writer:
-            self._writer.write(self.as_dict())
+            self._writer.write(vars(self))     # the writer reads its own keys: no copy per step
         self.maybe_flush()
 
     def as_dict(self) -> dict:
