@@ -44,20 +44,19 @@ def test_v2_runner_mirror_follows_append_block_ids():
 def test_the_check_compares_the_blocks_a_row_reaches(monkeypatch):
     """V2's gather copies each row's live ids and leaves older ids after them: the check ignores
     entries past a row's seq_len, and fails on any difference before it, and on seq_lens."""
-    monkeypatch.setenv("CHUNKATTN_CHECK_HOST_ROWS", "1")
     table = torch.tensor([[7, 8, 5, 36], [1, 9, 0, 0]], dtype=torch.int32)   # 36: stale
     seq_lens = torch.tensor([40, 33], dtype=torch.int32)                      # 3 and 3 blocks
     mirror = np.array([[7, 8, 5, 0], [1, 9, 0, 0]], np.int32)
     monkeypatch.setattr(h, "_runner_host_rows", lambda cm, n: ("V2 block table", mirror[:n]))
     cm = SimpleNamespace(block_table_tensor=table, seq_lens=seq_lens,
                          seq_lens_cpu_upper_bound=seq_lens.clone())
-    assert h.host_block_table(cm, 2, 16).tolist() == mirror.tolist()    # the mirror is planned from
+    assert h.host_block_table(cm, 2, 16, check=True).tolist() == mirror.tolist()   # planned from
     mirror[1, 2] = 4                                                     # a live block differs
     with pytest.raises(RuntimeError, match=r"host copy \(V2 block table\) differs .* rows \[1\]"):
-        h.host_block_table(cm, 2, 16)
-    assert h.host_seq_lens(cm, 2, True).tolist() == [40, 33]
+        h.host_block_table(cm, 2, 16, check=True)
+    assert h.host_block_table(cm, 2, 16)[1, 2] == 4                     # off: no check
+    assert h.host_seq_lens(cm, 2, True, check=True).tolist() == [40, 33]
     cm.seq_lens_cpu_upper_bound[0] = 41
     with pytest.raises(RuntimeError, match=r"seq_lens_cpu_upper_bound\) differs .* rows \[0\]"):
-        h.host_seq_lens(cm, 2, True)
-    monkeypatch.delenv("CHUNKATTN_CHECK_HOST_ROWS")                     # off: no check
-    assert h.host_seq_lens(cm, 2, True).tolist() == [40, 33]
+        h.host_seq_lens(cm, 2, True, check=True)
+    assert h.host_seq_lens(cm, 2, True).tolist() == [40, 33]            # off: no check

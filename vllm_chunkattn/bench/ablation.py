@@ -136,12 +136,21 @@ def write_report(results, variants, a, command, model, load_before) -> None:
     stock = next((r for r in rows if r["variant"] == "stock"), None)
     for r in rows:
         r["vs_stock"] = r["tok_s_median"] / stock["tok_s_median"] if stock else float("nan")
+        # Each round's ratio to stock's run of the same round (adjacent in the ABBA order): the
+        # machine's drift between rounds cancels.
+        pairs = [(v["output_tok_s"], s["output_tok_s"]) for v, s in
+                 zip(results[r["variant"]], results.get("stock", []))
+                 if v["status"] == "ok" and s["status"] == "ok"]
+        ratios = sorted(v / s for v, s in pairs)
+        r["round_ratios"] = " ".join(f"{x:.3f}" for x in ratios)
+        r["round_ratio_median"] = statistics.median(ratios) if ratios else float("nan")
     cols = list(rows[0])
     (out / f"{stem}.csv").write_text("\n".join(
         [",".join(cols)] + [",".join(str(r[c]).replace(",", ";") for c in cols) for r in rows])
         + "\n")
     fmt = {"tok_s_median": "{:.0f}", "tok_s_min": "{:.0f}", "tok_s_max": "{:.0f}",
-           "tpot_ms_median": "{:.1f}", "vs_stock": "{:.2f}x"}
+           "tpot_ms_median": "{:.1f}", "vs_stock": "{:.2f}x",
+           "round_ratio_median": "{:.3f}x"}
     table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     table += ["| " + " | ".join(fmt.get(c, "{}").format(r[c]) for c in cols) + " |" for r in rows]
     lines = [f"# Ablation: what CUSTOM costs in serving ({a.tag})", "",
@@ -153,7 +162,9 @@ def write_report(results, variants, a, command, model, load_before) -> None:
              f"{a.repeats} rounds, the variants' order reversed every round (ABBA); all servers "
              f"up for the whole run, one working at a time; commit {provenance.git_commit()}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}",
-             "- tok/s = the client's output throughput; TPOT = mean over requests", "",
+             "- tok/s = the client's output throughput; TPOT = mean over requests; vs_stock = "
+             "the medians' ratio; round_ratios = each round's tok/s over stock's in that round, "
+             "sorted, and their median", "",
              *table, ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     log(f"ablation: report {out / stem}.md")

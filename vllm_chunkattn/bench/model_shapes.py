@@ -40,6 +40,12 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 500000.0, "tie_word_embeddings": True,
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    # A small GQA 4:1 model (head 128), fp32: where per-step host work weighs most.
+    "llama-3l-gqa4": {
+        **_LLAMA, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128,
+        "vocab_size": 2048, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32"},
     # Qwen2 configs carry sliding_window but use_sliding_window is false: full attention.
     # The second GPU prediction shape (bench tpot): 65 GB of bf16 weights, 256 KiB of KV a token.
     "qwen2.5-32b": {

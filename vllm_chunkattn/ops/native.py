@@ -45,9 +45,16 @@ def _register_fake() -> None:
 
 def native_ops(device: torch.device):
     """torch.ops.chunkattn if a kernel for this device type is registered, else None."""
+    return _native_ops_for(device.type if isinstance(device, torch.device) else
+                           torch.device(device).type)
+
+
+@functools.cache
+def _native_ops_for(device_type: str):
+    # Once per device type: the library loads once (_load), and the builder asks every step.
     if not _load() or not hasattr(torch.ops.chunkattn, "tpp_decode"):
         return None
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(
             "chunkattn::tpp_decode", key):
         return None

@@ -23,11 +23,13 @@ class PlanKey:
     rows: np.ndarray | None = None        # None: nothing shared, the empty plan
     is_block: np.ndarray | None = None
     depths: np.ndarray | None = None
+    first: np.ndarray | None = None       # empty plan: each row's first block, -1 if none full
 
     @classmethod
-    def of(cls, full: np.ndarray, rows: SortedRows | None) -> "PlanKey":
+    def of(cls, full: np.ndarray, rows: SortedRows | None,
+           block_table: np.ndarray | None = None) -> "PlanKey":
         if rows is None:
-            return cls(full)
+            return cls(full, first=_first_full_blocks(block_table, full))
         is_block = np.arange(rows.rows.shape[1])[None, :] < full[:, None]
         return cls(full, rows.rows, is_block, rows.depths())
 
@@ -40,14 +42,22 @@ class PlanKey:
         whatever the blocks."""
         if full.shape != self.full.shape:
             return False
-        if self.rows is None:
-            return not first_blocks_shared(block_table, full)
+        if self.rows is None:      # the same first blocks as when none was shared: still none
+            return (np.array_equal(self.first, _first_full_blocks(block_table, full))
+                    or not first_blocks_shared(block_table, full))
         grown = full != self.full
         if (full < self.full).any() or (self.depths[grown] >= self.full[grown]).any():
             return False
         width = self.rows.shape[1]
         return (block_table.shape[1] >= width and np.array_equal(
             np.where(self.is_block, block_table[:, :width], self.rows), self.rows))
+
+
+def _first_full_blocks(block_table: np.ndarray, full: np.ndarray) -> np.ndarray:
+    """Each row's first block where it has a full one, else -1."""
+    if not block_table.shape[1]:
+        return np.full(full.shape, -1)
+    return np.where(full > 0, block_table[:, 0], -1)
 
 
 class PlanCache:
@@ -98,7 +108,7 @@ class PlanCache:
         if cap is not None:
             plan = pad_plan(plan, cap)
         self._plan = plan.to(self.device) if self._staging is None else self._staging.upload(plan)
-        self._key = PlanKey.of(full, rows)
+        self._key = PlanKey.of(full, rows, bt)
         self.num_builds += 1
         return self._plan
 

@@ -27,7 +27,7 @@ from ..kv_layout import kv_cache_views
 from ..decode import TppLaunch
 from ..ops import kernel_name
 from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace
-from . import logger
+from . import batch_order, logger
 from .support import (CUDA_BLOCK_SIZES, HEAD_SIZES, KV_CACHE_DTYPES, cuda_refusal,
                       layer_refusals, refusal)
 from .host_block_table import host_block_table, host_seq_lens
@@ -156,6 +156,9 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                                     vllm_config.scheduler_config.max_num_seqs or 0)
         self._num_blocks: int | None = None
         self._warned_copy = False
+        batch_order.install()     # reorder_batch_threshold's per-step cost, where nothing moves
+        self._check_host_rows = envs.CHECK_HOST_ROWS         # knobs read once, not every step
+        self._exact_seq_lens = vllm_config.speculative_config is None
         SHARING_STATS.publish_to_metrics(vllm_config)
         global _announced
         if not _announced:
@@ -241,12 +244,16 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         padding, seq_len 0), and the rows of vLLM's dummy batches (the warm-up runs before graph
         capture, an idle data-parallel rank's step), which point at the null block 0 that the KV
         manager never hands to a request."""
-        served = seq_lens > 0
-        if host_table.shape[1]:
-            served &= host_table[:, 0] != 0
-        if served.any():
-            SHARING_STATS.record(int(served.sum()), int(seq_lens[served].sum()),
-                                 plans.shared_kv_tokens, self._num_plan_builds(), with_prefill)
+        if host_table.shape[1] and host_table[:, 0].all() and seq_lens.all():
+            num_rows, kv_tokens = len(seq_lens), int(seq_lens.sum())    # every row served
+        else:
+            served = seq_lens > 0
+            if host_table.shape[1]:
+                served &= host_table[:, 0] != 0
+            num_rows, kv_tokens = int(served.sum()), int(seq_lens[served].sum())
+        if num_rows:
+            SHARING_STATS.record(num_rows, kv_tokens, plans.shared_kv_tokens,
+                                 self._num_plan_builds(), with_prefill)
 
     def _num_plan_builds(self) -> int:
         return self.plans.num_builds + sum(p.num_builds for p, _ in self.graph_plans.values())
@@ -256,8 +263,8 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         """The decode rows' block table and seq_lens from vLLM's host copies: reading the device
         tensors would make the host wait for the GPU every step (plugin/host_block_table.py).
         Where vLLM keeps no host copy the rows are copied, with a warning once."""
-        table = host_block_table(cm, num_rows, self.block_size)
-        seq_lens = host_seq_lens(cm, num_rows, self.vllm_config.speculative_config is None)
+        table = host_block_table(cm, num_rows, self.block_size, self._check_host_rows)
+        seq_lens = host_seq_lens(cm, num_rows, self._exact_seq_lens, self._check_host_rows)
         if table is None or seq_lens is None:
             if not self._warned_copy:
                 self._warned_copy = True

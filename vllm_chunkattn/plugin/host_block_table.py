@@ -25,7 +25,6 @@ import weakref
 
 import numpy as np
 
-from .. import envs
 from . import logger
 
 _V1: dict[int, weakref.ref] = {}                  # .gpu data_ptr -> BlockTable
@@ -48,9 +47,11 @@ def install() -> None:
         pass
 
 
-def host_block_table(cm, num_rows: int, block_size: int) -> np.ndarray | None:
+def host_block_table(cm, num_rows: int, block_size: int, check: bool = False
+                     ) -> np.ndarray | None:
     """[num_rows, width] int32 host rows equal to cm.block_table_tensor[:num_rows] in every
-    block a row's seq_len reaches (past it either may hold stale ids), or None."""
+    block a row's seq_len reaches (past it either may hold stale ids), or None. check: compare
+    them with the CPU runner's table (CHUNKATTN_CHECK_HOST_ROWS, read once by the caller)."""
     found = _runner_host_rows(cm, num_rows)
     bt = cm.block_table_tensor
     if bt.device.type != "cpu":
@@ -58,19 +59,19 @@ def host_block_table(cm, num_rows: int, block_size: int) -> np.ndarray | None:
     table = bt[:num_rows].numpy()                  # CPU runner: the "device" table is the host's
     if found is None:
         return table
-    if envs.CHECK_HOST_ROWS:
+    if check:
         live = -(-cm.seq_lens[:num_rows].numpy() // block_size)
         _check(found, table, np.arange(table.shape[1])[None, :] < live[:, None])
     return found[1]
 
 
-def host_seq_lens(cm, num_rows: int, upper_bound_exact: bool):
+def host_seq_lens(cm, num_rows: int, upper_bound_exact: bool, check: bool = False):
     """The rows' seq_lens on the host, or None. The runners' seq_lens_cpu_upper_bound is exact
-    without speculative decoding (FlashInfer relies on the same)."""
+    without speculative decoding (FlashInfer relies on the same). check: as host_block_table."""
     bound = cm.seq_lens_cpu_upper_bound if upper_bound_exact else None
     if cm.seq_lens.device.type != "cpu":
         return bound
-    if bound is not None and envs.CHECK_HOST_ROWS:
+    if bound is not None and check:
         truth = cm.seq_lens[:num_rows].numpy()
         _check(("seq_lens_cpu_upper_bound", bound[:num_rows].numpy()), truth,
                np.ones(truth.shape, bool))

@@ -235,6 +235,7 @@ class TreeMetrics(PeriodicStats):
         self.max_decode_shared_kv_tokens = 0
         self.invariant_checks = self.preemptions = 0
         self._writer = MetricsWriter.for_process(vllm_config, self.PUBLISHED)
+        self._last_published: dict | None = None
 
     def on_step(self, num_scheduled_tokens: dict[str, int], requests) -> None:
         self.steps += 1
@@ -258,6 +259,13 @@ class TreeMetrics(PeriodicStats):
         self.decode_shared_kv_tokens += shared
         self.max_decode_shared_kv_tokens = max(self.max_decode_shared_kv_tokens, shared)
 
+    def _published(self, s) -> dict:
+        """The PUBLISHED values, from the tree's stats `s`."""
+        return {"live_shared_kv_tokens": s.num_shared_tokens,    # = KV memory saved, in tokens
+                "in_use_blocks": s.num_in_use_blocks, "cached_blocks": s.num_cached_blocks,
+                "free_blocks": s.num_free_blocks, "evictions": s.num_evictions,
+                "preemptions": self.preemptions}
+
     def as_dict(self) -> dict:
         s = self.tree.stats()
         return {
@@ -265,19 +273,21 @@ class TreeMetrics(PeriodicStats):
             "decode_rows": self.decode_rows, "decode_kv_tokens": self.decode_kv_tokens,
             "decode_shared_kv_tokens": self.decode_shared_kv_tokens,
             "max_decode_shared_kv_tokens": self.max_decode_shared_kv_tokens,
-            "live_shared_kv_tokens": s.num_shared_tokens,     # = KV memory saved, in tokens
-            "in_use_blocks": s.num_in_use_blocks, "cached_blocks": s.num_cached_blocks,
-            "free_blocks": s.num_free_blocks, "pool_blocks": self.tree.pool_size,
+            **self._published(s), "pool_blocks": self.tree.pool_size,
             "num_live_seqs": len(self.tree.seqs),
             "hit_tokens": s.num_hit_tokens, "query_tokens": s.num_query_tokens,
-            "hit_rate": s.hit_rate, "evictions": s.num_evictions,
-            "invariant_checks": self.invariant_checks, "preemptions": self.preemptions,
+            "hit_rate": s.hit_rate, "invariant_checks": self.invariant_checks,
             "resolved_pending_tokens": self.tree.num_resolved_tokens,
         }
 
     def publish(self) -> None:
+        """Writes the gauges and counters /metrics shows, when one of them changed (twice a step
+        and after aborts: unchanged values are not rewritten)."""
         if self._writer:
-            self._writer.write(self.as_dict())
+            values = self._published(self.tree.stats())
+            if values != self._last_published:
+                self._writer.write(values)
+                self._last_published = values
 
     def log(self, d: dict) -> None:
         logger.info(
