@@ -2,10 +2,11 @@
 
 Every variant is a vLLM server (stock, CUSTOM, CUSTOM with one suspect switched off, CUSTOM as
 built at an earlier commit); all are started first and stay up, then one workload runs on each
-in turn, in ABBA order (the order reverses every round), for --repeats rounds, through vLLM's own
-benchmark client (`bench ab`'s run_workload). Only one server works at a time; idle ones sleep.
-Report: median and spread of output tok/s and mean TPOT per variant, and each one's ratio to
-stock, in CSV + markdown.
+in turn, in ABBA order (reversed every round; with three or more variants also rotated), for
+--repeats rounds, through vLLM's own benchmark client (`bench ab`'s run_workload). Only one
+server works at a time; idle ones sleep. Report: median and spread of output tok/s and mean
+TPOT per variant, and each one's ratio to stock (of the medians, and each round's), in CSV +
+markdown.
 
     python -m vllm_chunkattn.bench ablation --workload shared0 --repeats 3
     python -m vllm_chunkattn.bench ablation --baseline 8c222fc     # adds CUSTOM at that commit
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from vllm_chunkattn.bench.model_shapes import has_weights
 from vllm_chunkattn.bench.server_process import ServerProcess
 
 CUSTOM = ["--attention-backend", "CUSTOM"]
+SETTLE_S = 2.0       # between runs: the last server's busy-poll tail (1 s) is over
 # name -> (extra server flags, extra environment, what it switches off)
 VARIANTS = {
     "stock": ([], {}, "vLLM's own attention and KV cache manager"),
@@ -47,16 +50,34 @@ VARIANTS = {
 
 
 def baseline_tree(rev: str, tmp: Path) -> Path:
-    """A worktree of this repo at `rev` with its extension built: its package shadows ours
-    (PYTHONPATH) in that variant's server."""
+    """A worktree of this repo at `rev` with its extension built (copied from this checkout
+    when csrc/ and setup.py are the same at `rev`): its package shadows ours (PYTHONPATH) in that
+    variant's server."""
     root = Path(__file__).resolve().parents[2]
     dest = tmp / f"baseline-{rev}"
     if not dest.exists():
         subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(dest), rev],
                        check=True, capture_output=True)
-    subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, check=True,
-                   capture_output=True)
+    built = sorted((root / "vllm_chunkattn").glob("_C*.so"))
+    same_kernels = subprocess.run(["git", "-C", str(root), "diff", "--quiet", rev, "--", "csrc",
+                                   "setup.py"]).returncode == 0
+    if built and same_kernels:       # the kernels are this checkout's: its build serves
+        for so in built:
+            shutil.copy2(so, dest / "vllm_chunkattn" / so.name)
+    else:
+        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest,
+                       check=True, capture_output=True)
     return dest
+
+
+def round_order(variants: list[str], r: int) -> list[str]:
+    """Round r's order: reversed every round (ABBA), and with more than two variants rotated
+    every two rounds, so that over 2 x len(variants) rounds each variant runs in every position
+    (first, in the middle, last) equally often: a position's cost (the run right after another
+    server's) then falls on no variant more than on another."""
+    k = (r // 2) % len(variants) if len(variants) > 2 else 0
+    order = variants[k:] + variants[:k]
+    return order if r % 2 == 0 else order[::-1]
 
 
 def main(argv=None) -> int:
@@ -100,9 +121,12 @@ def main(argv=None) -> int:
             s.start()
             tiny_request(s)
         kv_tokens = {n: kv_capacity_tokens(s.url) for n, s in servers.items()}
-        order = list(variants)
         for r in range(a.repeats):
-            for name in (order if r % 2 == 0 else order[::-1]):
+            for name in round_order(list(variants), r):
+                # A server that just answered busy-polls its worker queue for vLLM's shared
+                # memory MessageQueue busy_loop_s (1 s) before sleeping; starting the next run
+                # within it would hand that run a second of a spinning core.
+                time.sleep(SETTLE_S)
                 row = run_workload(servers[name], name, workload, model, tmp, 600, None,
                                    kv_tokens[name])
                 results[name].append(row)
@@ -159,7 +183,9 @@ def write_report(results, variants, a, command, model, load_before) -> None:
              f"{provenance.load_average()}",
              f"- model: `{model}`, {a.dtype}; server flags `{TINY_SERVER_ARGS.format(kv_bytes=a.kv_cache_bytes, dtype=a.dtype)}`",
              f"- workload `{a.workload}` (`bench ab`'s, through `vllm bench serve`), "
-             f"{a.repeats} rounds, the variants' order reversed every round (ABBA); all servers "
+             f"{a.repeats} rounds, the variants' order reversed every round (ABBA) and, with "
+             f"more than two, rotated every two rounds; {SETTLE_S:g} s between runs (past the "
+             f"last server's 1 s busy-poll); all servers "
              f"up for the whole run, one working at a time; commit {provenance.git_commit()}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}",
              "- tok/s = the client's output throughput; TPOT = mean over requests; vs_stock = "
