@@ -193,7 +193,33 @@ def write_report(results, variants, a, command, model, load_before) -> None:
              "sorted, and their median", "",
              *table, ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
+    plot_round_ratios(rows, f"{a.tag}\n{a.workload}: output tok/s over stock's, per round",
+                      out / f"{stem}.png")
     log(f"ablation: report {out / stem}.md")
+
+
+def plot_round_ratios(rows: list[dict], title: str, path: Path) -> None:
+    """Each variant's per-round ratios to stock (dots) and their median (bar)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("ablation: matplotlib not installed: no plot")
+        return
+    from vllm_chunkattn.bench.ab_report import _save
+    shown = [r for r in rows if r["variant"] != "stock" and r["round_ratios"]]
+    fig, ax = plt.subplots(figsize=(2.6 + 1.4 * len(shown), 3.8))
+    for i, r in enumerate(shown):
+        ratios = [float(x) for x in r["round_ratios"].split()]
+        ax.plot([i] * len(ratios), ratios, "o", alpha=0.6)
+        ax.hlines(r["round_ratio_median"], i - 0.3, i + 0.3, colors="k")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(shown)), [r["variant"] for r in shown])
+    ax.set_xlim(-0.6, len(shown) - 0.4)
+    ax.set_ylabel("tok/s / stock's, same round")
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ def main(argv=None) -> int:
         stem = f"host_{a.tag}"
         (out / f"{stem}.md").write_text(report)
         (out / f"{stem}.json").write_text(json.dumps(runs, indent=1) + "\n")
+        plot_parts(runs, a.tag, out / f"{stem}.png")
     print(report)
     return 0
 
@@ -183,6 +184,32 @@ def median_parts(runs: list[dict], key: str) -> dict:
     """Per part, the median over runs (a run slowed by another job on the machine drops out)."""
     parts = [exclusive(r[key]) for r in runs]
     return {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+
+
+def plot_parts(runs, tag: str, path: Path) -> None:
+    """Host parts of a step (CPU time, medians), stock and CUSTOM side by side."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("host: matplotlib not installed: no plot", flush=True)
+        return
+    from vllm_chunkattn.bench.ab_report import _save
+    st = median_parts(runs["stock"], "cpu_ms_per_step")
+    cu = median_parts(runs["custom"], "cpu_ms_per_step")
+    parts = [p for p in (*PARTS, "other") if p not in ("runner.model_forward",
+                                                      "attention.forward")]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ys = range(len(parts))
+    ax.barh([y - 0.2 for y in ys], [st[p] for p in parts], 0.4, label="stock")
+    ax.barh([y + 0.2 for y in ys], [cu[p] for p in parts], 0.4, label="CUSTOM")
+    ax.set_yticks(list(ys), parts)
+    ax.invert_yaxis()
+    ax.set_xlabel("engine thread CPU ms per step (median of runs)")
+    ax.set_title(f"host work of a served step, nothing shared ({tag})", fontsize=9)
+    ax.legend()
+    _save(fig, path)
 
 
 def write_report(runs, a, model, command, load_before) -> str:
