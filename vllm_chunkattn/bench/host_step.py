@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from vllm_chunkattn.bench import provenance
+from vllm_chunkattn.bench import child_process, provenance
 
 # What is timed, in call order; "step" is the whole engine step (the rest is its remainder).
 PARTS = ("scheduler.schedule", "runner.reorder_batch", "runner.update_states",
@@ -32,7 +31,9 @@ PARTS = ("scheduler.schedule", "runner.reorder_batch", "runner.update_states",
          "attention.metadata_build", "attention.forward", "runner.model_forward",
          "runner.sample", "scheduler.update_from_output")
 
-NESTED = ("attention.forward", "runner.reorder_batch")
+NESTED = {"attention.forward": "runner.model_forward",   # part -> the part it runs inside
+          "runner.reorder_batch": "runner.update_states"}
+FORWARD = ("runner.model_forward", "attention.forward")    # the model: the rest is host work
 
 
 class Timers:
@@ -114,20 +115,16 @@ def child(job: dict) -> dict:
 def run_child(job: dict) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_LOGGING_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "vllm_chunkattn.bench", "host", "--child", json.dumps(job)]
-    proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=3600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("HOST_RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"{job['system']} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(line[len("HOST_RESULT "):])
+    return child_process.run([sys.executable, "-m", "vllm_chunkattn.bench", "host", "--child",
+                              json.dumps(job)], env, 3600, job["system"])
 
 
 def exclusive(ms: dict) -> dict:
     """Each part without the one nested in it (attention runs inside the forward pass, the
     batch reorder inside the state update), and the step's remainder as "other"."""
     out = {p: ms.get(p, 0.0) for p in PARTS}
-    out["runner.model_forward"] -= out["attention.forward"]
-    out["runner.update_states"] -= out["runner.reorder_batch"]
+    for part, parent in NESTED.items():
+        out[parent] -= out[part]
     out["other"] = ms.get("step", 0.0) - sum(ms.get(p, 0.0) for p in PARTS
                                              if p not in NESTED)
     return out
@@ -148,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print("HOST_RESULT " + json.dumps(child(json.loads(a.child))), flush=True)
+        child_process.report(child(json.loads(a.child)))
         return 0
     from vllm_chunkattn.bench.model_shapes import has_weights
     from vllm_chunkattn.tiny_model import ensure_tiny_model
@@ -198,8 +195,7 @@ def plot_parts(runs, tag: str, path: Path) -> None:
     from vllm_chunkattn.bench.ab_report import _save
     st = median_parts(runs["stock"], "cpu_ms_per_step")
     cu = median_parts(runs["custom"], "cpu_ms_per_step")
-    parts = [p for p in (*PARTS, "other") if p not in ("runner.model_forward",
-                                                      "attention.forward")]
+    parts = [p for p in (*PARTS, "other") if p not in FORWARD]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     ys = range(len(parts))
     ax.barh([y - 0.2 for y in ys], [st[p] for p in parts], 0.4, label="stock")
@@ -241,8 +237,7 @@ def write_report(runs, a, model, command, load_before) -> str:
         lines.append(f"| {k} | {cst[k]:.3f} | {ccu[k]:.3f} | {ccu[k] - cst[k]:+.3f} | "
                      f"{st[k]:.3f} | {cu[k]:.3f} | {cu[k] - st[k]:+.3f} |")
     tots = [sum(d.values()) for d in (cst, ccu, st, cu)]
-    host = [t - d["runner.model_forward"] - d["attention.forward"]
-            for t, d in zip(tots, (cst, ccu, st, cu))]
+    host = [t - sum(d[p] for p in FORWARD) for t, d in zip(tots, (cst, ccu, st, cu))]
     lines += [f"| **host work** (step − forward) | {host[0]:.3f} | {host[1]:.3f} | "
               f"{host[1] - host[0]:+.3f} | {host[2]:.3f} | {host[3]:.3f} | "
               f"{host[3] - host[2]:+.3f} |",

@@ -99,18 +99,13 @@ def _reorder_matches(num_waiting, block_size, repeats, prompt_len=2208, shared_l
 
 def _admission(model: str, prefix_aware: bool, tmp: Path) -> dict:
     """The tiny model through vLLM (CUSTOM), prefix-aware admission on or off (child process)."""
-    import json
-    import subprocess
+    from .child_process import run
     stats = tmp / f"sharing_{int(prefix_aware)}.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHUNKATTN_STATS_FILE": str(stats),
            "CHUNKATTN_STATS_INTERVAL_S": "0",
            "CHUNKATTN_PREFIX_AWARE_SCHEDULING": "1" if prefix_aware else "0"}
-    proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench.sched_admission", model,
-                           str(stats)], capture_output=True, text=True, env=env, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError((proc.stdout + proc.stderr)[-3000:])
+    return run([sys.executable, "-m", "vllm_chunkattn.bench.sched_admission", model, str(stats)],
+               env, 900, f"admission (prefix-aware {prefix_aware})")
 
 
 def main(argv=None) -> int:

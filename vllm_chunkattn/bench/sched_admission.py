@@ -1,6 +1,6 @@
 """One vLLM run of the prefix-aware admission workload (a child process of bench/sched.py):
 G system prompts, requests arriving interleaved across groups (g0, g1, ..., g0, g1, ...), fewer
-slots than requests, so admission order decides who decodes together. Prints one JSON line:
+slots than requests, so admission order decides who decodes together. Reports (child_process):
 output tokens/s and the worker's decode sharing counters (plugin/stats.py).
 
     python -m vllm_chunkattn.bench.sched_admission MODEL STATS_FILE [key=value ...]
@@ -11,6 +11,8 @@ import json
 import random
 import sys
 import time
+
+from vllm_chunkattn.bench.child_process import report
 
 
 def main(argv: list[str]) -> None:
@@ -43,8 +45,8 @@ def main(argv: list[str]) -> None:
     stats = {k: after[k] - before[k] for k in keys}
     stats["shared_fraction"] = stats["shared_kv_tokens"] / max(stats["kv_tokens"], 1)
     stats["rows_per_decode_step"] = stats["decode_rows"] / max(stats["decode_steps"], 1)
-    print("RESULT " + json.dumps({**cfg, "output_tokens": num_out, "seconds": elapsed,
-                                  "output_tok_s": num_out / elapsed, "worker": stats}))
+    report({**cfg, "output_tokens": num_out, "seconds": elapsed,
+            "output_tok_s": num_out / elapsed, "worker": stats})
 
 
 if __name__ == "__main__":

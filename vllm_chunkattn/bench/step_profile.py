@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from vllm_chunkattn.bench import provenance
+from vllm_chunkattn.bench import child_process, provenance
 
 ATTENTION_OPS = ("chunkattn::tpp_decode", "_C::cpu_attention_with_kv_cache")
 
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.child:
         result = child(json.loads(a.child))
-        print("STEP_RESULT " + json.dumps(result), flush=True)
+        child_process.report(result)
         return 0
     command = "python -m vllm_chunkattn.bench step " + " ".join(
         sys.argv[2:] if argv is None else argv)
@@ -83,14 +82,10 @@ def main(argv=None) -> int:
                            private=a.private, batch=a.batch, steps=a.steps, engine=engine)
                 env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING":
                        "0" if engine == "in-process" else "1"}
-                proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench", "step",
-                                       "--child", json.dumps(job)], env=env, text=True,
-                                      capture_output=True, timeout=900)
-                line = next((l for l in proc.stdout.splitlines()
-                             if l.startswith("STEP_RESULT ")), None)
-                if line is None:
-                    raise SystemExit(f"{job} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-                rows.append({**job, **json.loads(line[12:])})
+                result = child_process.run([sys.executable, "-m", "vllm_chunkattn.bench",
+                                            "step", "--child", json.dumps(job)], env, 900,
+                                           str(job))
+                rows.append({**job, **result})
                 print(f"{engine} {system} shared={shared}: {rows[-1]['step_ms']:.1f} ms/step",
                       flush=True)
     write_report(rows, a, command, load_before)

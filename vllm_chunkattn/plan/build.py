@@ -21,10 +21,19 @@ def first_blocks_shared(block_table: np.ndarray, full: np.ndarray, min_sharers: 
     num_seqs = full.shape[0]
     if num_seqs < min_sharers or not num_seqs or int(full.max()) == 0:
         return False
-    first = np.where(full > 0, block_table[:, 0].astype(np.int64), -1 - np.arange(num_seqs))
+    first = first_full_blocks(block_table, full)
     first.sort()
     k = min_sharers - 1
     return k < 1 or bool((first[k:] == first[:-k]).any())
+
+
+def first_full_blocks(block_table: np.ndarray, full: np.ndarray) -> np.ndarray:
+    """[num_seqs] int64: each row's first block where it has a full one, else an id of the
+    row's own (negative, one per row), so rows without a full block match nothing."""
+    own = -1 - np.arange(full.shape[0])
+    if not block_table.shape[1]:
+        return own
+    return np.where(full > 0, block_table[:, 0].astype(np.int64), own)
 
 
 def lexicographic_order(rows: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .. import envs
-from .build import SortedRows, _build, _host, first_blocks_shared
+from .build import SortedRows, _build, _host, first_blocks_shared, first_full_blocks
 from .capacity import pad_plan
 from .staging import PlanStaging
 from .tpp_plan import TppPlan
@@ -23,13 +23,13 @@ class PlanKey:
     rows: np.ndarray | None = None        # None: nothing shared, the empty plan
     is_block: np.ndarray | None = None
     depths: np.ndarray | None = None
-    first: np.ndarray | None = None       # empty plan: each row's first block, -1 if none full
+    first: np.ndarray | None = None       # empty plan: build.first_full_blocks of its rows
 
     @classmethod
     def of(cls, full: np.ndarray, rows: SortedRows | None,
            block_table: np.ndarray | None = None) -> "PlanKey":
         if rows is None:
-            return cls(full, first=_first_full_blocks(block_table, full))
+            return cls(full, first=first_full_blocks(block_table, full))
         is_block = np.arange(rows.rows.shape[1])[None, :] < full[:, None]
         return cls(full, rows.rows, is_block, rows.depths())
 
@@ -43,7 +43,7 @@ class PlanKey:
         if full.shape != self.full.shape:
             return False
         if self.rows is None:      # the same first blocks as when none was shared: still none
-            return (np.array_equal(self.first, _first_full_blocks(block_table, full))
+            return (np.array_equal(self.first, first_full_blocks(block_table, full))
                     or not first_blocks_shared(block_table, full))
         grown = full != self.full
         if (full < self.full).any() or (self.depths[grown] >= self.full[grown]).any():
@@ -51,13 +51,6 @@ class PlanKey:
         width = self.rows.shape[1]
         return (block_table.shape[1] >= width and np.array_equal(
             np.where(self.is_block, block_table[:, :width], self.rows), self.rows))
-
-
-def _first_full_blocks(block_table: np.ndarray, full: np.ndarray) -> np.ndarray:
-    """Each row's first block where it has a full one, else -1."""
-    if not block_table.shape[1]:
-        return np.full(full.shape, -1)
-    return np.where(full > 0, block_table[:, 0], -1)
 
 
 class PlanCache:

@@ -244,15 +244,13 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         padding, seq_len 0), and the rows of vLLM's dummy batches (the warm-up runs before graph
         capture, an idle data-parallel rank's step), which point at the null block 0 that the KV
         manager never hands to a request."""
-        if host_table.shape[1] and host_table[:, 0].all() and seq_lens.all():
-            num_rows, kv_tokens = len(seq_lens), int(seq_lens.sum())    # every row served
-        else:
-            served = seq_lens > 0
-            if host_table.shape[1]:
-                served &= host_table[:, 0] != 0
-            num_rows, kv_tokens = int(served.sum()), int(seq_lens[served].sum())
+        served = seq_lens > 0
+        if host_table.shape[1]:
+            served &= host_table[:, 0] != 0
+        num_rows = int(served.sum())
         if num_rows:
-            SHARING_STATS.record(num_rows, kv_tokens, plans.shared_kv_tokens,
+            kv_tokens = seq_lens.sum() if num_rows == len(seq_lens) else seq_lens[served].sum()
+            SHARING_STATS.record(num_rows, int(kv_tokens), plans.shared_kv_tokens,
                                  self._num_plan_builds(), with_prefill)
 
     def _num_plan_builds(self) -> int:
