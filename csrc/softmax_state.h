@@ -24,6 +24,16 @@ SOFTMAX_STATE_FN void softmax_state_merge(float* o_a, float* m_a, float* l_a, co
   *m_a = m;
 }
 
+// An attention sink: one more logit `sink` in the denominator, for a key whose value is zero
+// (gpt-oss). Merged into the final state before it is normalised; the lse then includes it.
+SOFTMAX_STATE_FN void softmax_state_add_sink(float* o, float* m, float* l, float sink, int n) {
+  const float m_new = *m > sink ? *m : sink;
+  const float w = expf(*m - m_new);  // an empty state (m = -inf): w = 0, only the sink remains
+  for (int i = 0; i < n; ++i) o[i] *= w;
+  *l = *l * w + expf(sink - m_new);
+  *m = m_new;
+}
+
 // Normalised output scale 1 / l (an empty state gives o = 0, not NaN) and lse = m + ln l
 // (-inf when empty).
 SOFTMAX_STATE_FN float softmax_state_inv_l(float l) { return 1.f / (l > 1e-30f ? l : 1e-30f); }

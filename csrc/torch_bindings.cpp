@@ -16,7 +16,7 @@ TORCH_LIBRARY(chunkattn, m) {
       "tpp_check_plan(Tensor block_table, Tensor seq_lens, Tensor node_block_indptr, "
       "Tensor node_block_ids, Tensor node_seq_indptr, Tensor node_seq_ids, "
       "Tensor seq_partial_indptr, Tensor seq_partial_ids, Tensor seq_num_shared_blocks, "
-      "int num_blocks, int block_size) -> ()");
+      "Tensor node_first_block, int num_blocks, int block_size) -> ()");
 }
 
 extern "C" PyObject* PyInit__C(void) {

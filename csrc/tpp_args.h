@@ -14,7 +14,7 @@
 
 namespace chunkattn {
 
-// The block table, seq_lens and the plan's seven CSR tensors (vllm_chunkattn/plan), all int32.
+// The block table, seq_lens and the plan's eight tensors (vllm_chunkattn/plan), all int32.
 struct TppPlanTensors {
   const at::Tensor& block_table;            // [num_seqs, max_blocks]
   const at::Tensor& seq_lens;               // [num_seqs]
@@ -25,6 +25,7 @@ struct TppPlanTensors {
   const at::Tensor& seq_partial_indptr;     // [num_seqs + 1] into seq_partial_ids
   const at::Tensor& seq_partial_ids;        // [num_partials]: each row's partials
   const at::Tensor& seq_num_shared_blocks;  // [num_seqs]: where each row's private tail starts
+  const at::Tensor& node_first_block;       // [num_nodes]: the block (of every sharer) a node starts at
 
   // f(tensor, its argument name), in the schema's order.
   template <typename F>
@@ -38,6 +39,7 @@ struct TppPlanTensors {
     f(seq_partial_indptr, "seq_partial_indptr");
     f(seq_partial_ids, "seq_partial_ids");
     f(seq_num_shared_blocks, "seq_num_shared_blocks");
+    f(node_first_block, "node_first_block");
   }
 };
 
@@ -53,6 +55,10 @@ struct TppArgs {
   double scale;
   const at::Tensor& out;                 // [num_seqs, num_heads, head_size], written in place
   const std::optional<at::Tensor>& lse;  // [num_seqs, num_heads] natural-log LSE, if given
+  // The layer's attention variant (tpp_schema.h): 0 / 0 / none is plain causal attention.
+  int64_t sliding_window;
+  double soft_cap;
+  const std::optional<at::Tensor>& sinks;  // fp32 [num_heads]
 
   // f(tensor, its argument name) for every tensor of the call (lse where given), in the schema's
   // order.
@@ -67,6 +73,7 @@ struct TppArgs {
     f(partial_l, "partial_l");
     f(out, "out");
     if (lse.has_value()) f(*lse, "lse");
+    if (sinks.has_value()) f(*sinks, "sinks");
   }
 };
 
@@ -76,7 +83,8 @@ inline PlanArrays plan_arrays(const TppPlanTensors& t) {
           t.seq_lens.data_ptr<int32_t>(),           t.node_block_indptr.data_ptr<int32_t>(),
           t.node_block_ids.data_ptr<int32_t>(),     t.node_seq_indptr.data_ptr<int32_t>(),
           t.node_seq_ids.data_ptr<int32_t>(),       t.seq_partial_indptr.data_ptr<int32_t>(),
-          t.seq_partial_ids.data_ptr<int32_t>(),    t.seq_num_shared_blocks.data_ptr<int32_t>()};
+          t.seq_partial_ids.data_ptr<int32_t>(),    t.seq_num_shared_blocks.data_ptr<int32_t>(),
+          t.node_first_block.data_ptr<int32_t>()};
 }
 
 // The op's C++ signature, the schema's arguments in its order: what a device registers, as
@@ -88,20 +96,25 @@ void tpp_decode_entry(const at::Tensor& query, const at::Tensor& key_cache, cons
                       const at::Tensor& node_block_indptr, const at::Tensor& node_block_ids,
                       const at::Tensor& node_seq_indptr, const at::Tensor& node_seq_ids,
                       const at::Tensor& seq_partial_indptr, const at::Tensor& seq_partial_ids,
-                      const at::Tensor& seq_num_shared_blocks, const at::Tensor& partial_o,
-                      const at::Tensor& partial_m, const at::Tensor& partial_l, double scale,
-                      const at::Tensor& out, const std::optional<at::Tensor>& lse, Extra... extra) {
+                      const at::Tensor& seq_num_shared_blocks, const at::Tensor& node_first_block,
+                      const at::Tensor& partial_o, const at::Tensor& partial_m, const at::Tensor& partial_l,
+                      double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                      int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks,
+                      Extra... extra) {
   Impl(TppArgs{query,
                key_cache,
                value_cache,
                {block_table, seq_lens, node_block_indptr, node_block_ids, node_seq_indptr, node_seq_ids,
-                seq_partial_indptr, seq_partial_ids, seq_num_shared_blocks},
+                seq_partial_indptr, seq_partial_ids, seq_num_shared_blocks, node_first_block},
                partial_o,
                partial_m,
                partial_l,
                scale,
                out,
-               lse},
+               lse,
+               sliding_window,
+               soft_cap,
+               sinks},
        extra...);
 }
 

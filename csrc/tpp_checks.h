@@ -31,7 +31,7 @@ inline void check_index(const at::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(dims == 1 || t.numel() == 0 || t.stride(0) >= t.size(1), "tpp_decode: ", name, " rows overlap");
 }
 
-// The block table, seq_lens and the seven plan tensors of a batch of num_seqs rows.
+// The block table, seq_lens and the eight plan tensors of a batch of num_seqs rows.
 // Returns {num_nodes, num_partials}.
 inline std::pair<int64_t, int64_t> check_plan_tensors(int64_t num_seqs, const TppPlanTensors& plan) {
   plan.for_each([&plan](const at::Tensor& t, const char* name) {
@@ -43,8 +43,10 @@ inline std::pair<int64_t, int64_t> check_plan_tensors(int64_t num_seqs, const Tp
               "num_seqs (+1) = ", num_seqs, " rows");
   const int64_t num_nodes = plan.node_block_indptr.size(0) - 1;
   const int64_t num_partials = plan.node_seq_ids.size(0);
-  TORCH_CHECK(num_nodes >= 0 && plan.node_seq_indptr.size(0) == num_nodes + 1,
-              "tpp_decode: node_block_indptr and node_seq_indptr must both have num_nodes + 1 entries");
+  TORCH_CHECK(num_nodes >= 0 && plan.node_seq_indptr.size(0) == num_nodes + 1 &&
+                  plan.node_first_block.size(0) == num_nodes,
+              "tpp_decode: node_block_indptr and node_seq_indptr must both have num_nodes + 1 entries, "
+              "node_first_block num_nodes");
   TORCH_CHECK(plan.seq_partial_ids.size(0) == num_partials, "tpp_decode: seq_partial_ids and node_seq_ids must "
               "both have num_partials entries");
   return {num_nodes, num_partials};
@@ -98,6 +100,14 @@ inline TppSizes check_tpp_args(const TppArgs& a) {
                     t->size(0) >= s.num_partials && t->size(1) == s.num_heads,
                 "tpp_decode: partial_m and partial_l must be contiguous float32 [>= ", s.num_partials, ", ",
                 s.num_heads, "], got ", t->sizes());
+  TORCH_CHECK(a.sliding_window >= 0, "tpp_decode: sliding_window must be >= 0 (0: none), got ", a.sliding_window);
+  TORCH_CHECK(a.soft_cap >= 0 && std::isfinite(a.soft_cap), "tpp_decode: soft_cap must be >= 0 (0: none), got ",
+              a.soft_cap);
+  if (a.sinks.has_value())
+    TORCH_CHECK(a.sinks->scalar_type() == at::kFloat && a.sinks->dim() == 1 && a.sinks->size(0) == s.num_heads &&
+                    a.sinks->is_contiguous() && a.sinks->device() == query.device(),
+                "tpp_decode: sinks must be contiguous float32 [", s.num_heads, "] on the query's device, got ", a.sinks->scalar_type(), " ",
+                a.sinks->sizes());
   if (a.lse.has_value())
     TORCH_CHECK(a.lse->scalar_type() == at::kFloat && a.lse->dim() == 2 && a.lse->size(0) == s.num_seqs &&
                     a.lse->size(1) == s.num_heads,
@@ -129,6 +139,15 @@ inline void check_tpp_plan(int64_t num_blocks, int64_t block_size, const TppPlan
   check_range(p.node_block_ids, num_node_blocks, num_blocks, "node_block_ids");
   check_range(p.node_seq_ids, num_partials, num_seqs, "node_seq_ids");
   check_range(p.seq_partial_ids, num_partials, num_partials, "seq_partial_ids");
+  // A node lies at the same blocks of every sharer, inside its shared prefix (the window masks
+  // of the chunk-first phase are computed from it).
+  for (int64_t n = 0; n < num_nodes; ++n) {
+    const int64_t first = p.node_first_block[n], end = first + p.node_block_indptr[n + 1] - p.node_block_indptr[n];
+    TORCH_CHECK(first >= 0, "tpp_decode: node_first_block[", n, "] = ", first, " is negative");
+    for (int64_t j = p.node_seq_indptr[n]; j < p.node_seq_indptr[n + 1]; ++j)
+      TORCH_CHECK(end <= p.seq_num_shared_blocks[p.node_seq_ids[j]], "tpp_decode: node ", n, " ends at block ", end,
+                  ", past the shared prefix of its row ", p.node_seq_ids[j]);
+  }
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int32_t len = p.seq_lens[i], shared = p.seq_num_shared_blocks[i];
     const int64_t used = (int64_t(len) + block_size - 1) / block_size;

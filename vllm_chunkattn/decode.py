@@ -55,21 +55,28 @@ class TppLaunch:
             self.plan_args = (block_table, seq_lens, *plan.tensors(), p_o, p_m, p_l)
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            scale: float, out: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+            scale: float, out: torch.Tensor, lse: torch.Tensor | None = None,
+            sliding_window: int = 0, soft_cap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self.ops is None:
             _, l = tpp_decode_reference(query, key_cache, value_cache, self.block_table,
-                                        self.seq_lens, self.plan, scale, out=out, return_lse=True)
+                                        self.seq_lens, self.plan, scale, out=out, return_lse=True,
+                                        sliding_window=sliding_window, soft_cap=soft_cap,
+                                        sinks=sinks)
             if lse is not None:
                 lse.copy_(l)
             return out
-        self.ops.tpp_decode(query, key_cache, value_cache, *self.plan_args, scale, out, lse)
+        self.ops.tpp_decode(query, key_cache, value_cache, *self.plan_args, scale, out, lse,
+                            sliding_window, soft_cap, sinks)
         return out
 
 
 def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, plan: TppPlan, scale: float,
                out: torch.Tensor, lse: torch.Tensor | None = None,
-               workspace: TppWorkspace | None = None, kernel: str | None = None) -> torch.Tensor:
+               workspace: TppWorkspace | None = None, kernel: str | None = None,
+               sliding_window: int = 0, soft_cap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact decode attention, two-phase over the plan's shared nodes and private tails.
     (One call, which checks the plan; for many layers of one step, check it once with check_plan
     on the host, build a TppLaunch once and call its run per layer.)
@@ -82,13 +89,18 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     out:         [num_seqs, num_heads, head_size], written in place and returned
     lse:         optional [num_seqs, num_heads] fp32, written with the natural-log LSE
     kernel:      "native" | "reference" | None (native when built for the device)
+    sliding_window, soft_cap, sinks: the layer's attention variant: a row of seq_len L sees keys
+                 [L - sliding_window, L) when sliding_window > 0; scores soft-capped to
+                 soft_cap * tanh(s / soft_cap) when soft_cap > 0; sinks: fp32 [num_heads], one
+                 logit per head added to each row's softmax denominator
     """
     if query.device.type != "cpu":        # the CPU op checks the plan itself, on every call
         check_plan(plan.to("cpu"), block_table.cpu(), seq_lens.cpu(), key_cache.shape[1],
                    key_cache.shape[0])        # host copies: a sync, but this is the one-shot path
     launch = TppLaunch(plan, block_table, seq_lens, query.shape[1], query.shape[2], query.device,
                        workspace, kernel)
-    return launch.run(query, key_cache, value_cache, scale, out, lse)
+    return launch.run(query, key_cache, value_cache, scale, out, lse, sliding_window, soft_cap,
+                      sinks)
 
 
 class TppDecodeWrapper:
@@ -141,12 +153,15 @@ class TppDecodeWrapper:
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             scale: float, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None) -> torch.Tensor:
+            lse: torch.Tensor | None = None, sliding_window: int = 0, soft_cap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query: [num_seqs, num_heads, head_size]; key_cache, value_cache: [num_blocks,
         block_size, num_kv_heads, head_size]; out (written in place, allocated when None) as
-        query; lse: optional [num_seqs, num_heads] fp32, natural log. Returns out."""
+        query; lse: optional [num_seqs, num_heads] fp32, natural log; sliding_window,
+        soft_cap, sinks: as tpp_decode. Returns out."""
         if self.launch is None:
             raise RuntimeError("TppDecodeWrapper.run before plan")
         if out is None:
             out = torch.empty_like(query)
-        return self.launch.run(query, key_cache, value_cache, scale, out, lse)
+        return self.launch.run(query, key_cache, value_cache, scale, out, lse, sliding_window,
+                               soft_cap, sinks)

@@ -5,7 +5,7 @@ decomposition and its KV splits, on the host and in a padded plan's CTAs);
 each is applied to a copy of csrc/, and those tests run against that copy (-x: stop at the first
 failure). A mutation the tests do not catch is printed as MISSED and the exit status is 1.
 
-    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~50 min on 2 cores (41 mutations)
+    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~55 min on 2 cores (47 mutations)
     .venv/bin/python benchmarks/gpu/kernel_mutations.py KV     # those whose names say "KV"
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The kernel's source is cuda/tpp_kernels.cuh and the headers it includes; a mutation names its text,
 # found in exactly one of them.
-KERNEL = ("cuda/tpp_params.cuh", "cuda/tpp_attend_tile.cuh", "cuda/tpp_slot_merge.cuh",
-          "cuda/tpp_kernels.cuh")
+KERNEL = ("cuda/tpp_params.cuh", "cuda/tpp_attend_tile.cuh", "cuda/tpp_scores.cuh",
+          "cuda/tpp_slot_merge.cuh", "cuda/tpp_kernels.cuh")
 HOST = "cuda/tpp_host.h"
-TESTS = ["tests/kernels/test_cuda_host.py", "tests/kernels/test_cuda_simt_emulation.py"]   # host first: seconds
+TESTS = ["tests/kernels/test_cuda_host.py", "tests/kernels/test_cuda_variants_emulation.py",
+         "tests/kernels/test_cuda_simt_emulation.py"]   # host first: seconds
 
 # (name, text in one of KERNEL's files, its replacement); each text occurs exactly once in them.
 MUTATIONS = [
@@ -108,6 +109,23 @@ MUTATIONS = [
     ("the 64-bit KV path reads V with K's strides",
      "value_head + block * p.v_stride_block + int64_t(row) * p.v_stride_tok",
      "value_head + block * p.k_stride_block + int64_t(row) * p.k_stride_tok"),
+    ("head 96: every copy of a thread in its first chunk",
+     "(x + i * kThreads) % kChunks; };", "0; };"),
+    ("sliding window: a chunk item's rows see the node before their edges",
+     "if (t_begin + it * S::kTokens < lo_hi) mask_window", "if (false) mask_window"),
+    ("sliding window: a chunk item loads the KV before its rows' lowest edge",
+     "    t_begin = max(t_begin, lo_lo);\n", ""),
+    ("sliding window: a tail starts at its first token, not its edge",
+     "  const int lo = window_edge(p, seq, first);", "  const int lo = 0;"),
+    ("soft cap after the mask (a masked score becomes -cap)",
+     "      if (p.soft_cap_log2 > 0.f) soft_cap_scores<kTokW / 8>(s, p.soft_cap_log2, p.soft_cap_in);\n"
+     "      const int tok0 = t_begin + it * S::kTokens + part * kTokW + 2 * (lane % 4);\n"
+     "      if (t_begin + it * S::kTokens < lo_hi) mask_window<kTokW / 8>(s, tok0, lo);\n",
+     "      const int tok0 = t_begin + it * S::kTokens + part * kTokW + 2 * (lane % 4);\n"
+     "      if (t_begin + it * S::kTokens < lo_hi) mask_window<kTokW / 8>(s, tok0, lo);\n"
+     "      if (p.soft_cap_log2 > 0.f) soft_cap_scores<kTokW / 8>(s, p.soft_cap_log2, p.soft_cap_in);\n"),
+    ("sinks: o not rescaled to the sink's max",
+     "const float inv = a / fmaxf(l[r], 1e-30f);", "const float inv = 1.f / fmaxf(l[r], 1e-30f);"),
 ]
 # The same, in csrc/cuda/tpp_host.h.
 HOST_MUTATIONS = [

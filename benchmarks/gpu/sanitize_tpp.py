@@ -1,6 +1,7 @@
 """A few small trees through the CUDA TPP op, for compute-sanitizer (run_on_device.sh runs it
 under memcheck and racecheck, instrumenting only our kernels): tree shapes with several nodes,
-GQA head tiles, split-KV scratch slots, every head size, and a capacity-padded plan. Each result
+GQA head tiles, split-KV scratch slots, every head size, a capacity-padded plan, and the attention
+variants (sliding window, soft cap, sinks). Each result
 is also checked against the reference, so the run fails on a wrong answer as well.
 Usage: [compute-sanitizer --kernel-name kns=tpp_ ...] python benchmarks/gpu/sanitize_tpp.py"""
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 # them (tpp_params.cuh), in the workspace the backend gives graphs. Stages: partial 32 is its
 # compact stage (CHUNKATTN_PARTIAL_STAGE_TOKENS), final 64 the final launch in the default stage
 # (CHUNKATTN_FINAL_STAGE_TOKENS); 0: each launch's default (64 and the compact 32 at head 128).
+# A last dict, where given: the op's sliding_window / soft_cap / sinks (sinks: True for one per head).
 CASES = [
     ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False, (0, 0)),
     ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False, (0, 0)),
@@ -30,6 +32,11 @@ CASES = [
     ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (0, 0)),
     ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, (0, 64)),
     ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (32, 0)),
+    ("system_prompts", 8, 2, 96, 16, torch.float16, (2, 2), False, (0, 0),
+     dict(sliding_window=24, soft_cap=10.0, sinks=True)),
+    ("deep_tree", 16, 4, 128, 16, torch.bfloat16, (3, 2), False, (32, 0), dict(sliding_window=5)),
+    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (0, 0),
+     dict(sliding_window=40, sinks=True)),
 ]
 
 
@@ -43,14 +50,18 @@ def pad(plan: TppPlan, extra_nodes: int, extra_partials: int) -> TppPlan:
     return TppPlan(plan.num_seqs, plan.num_nodes + extra_nodes, plan.num_partials + extra_partials,
                    rep(plan.node_block_indptr), plan.node_block_ids, rep(plan.node_seq_indptr),
                    ids(plan.node_seq_ids), plan.seq_partial_indptr, ids(plan.seq_partial_ids),
-                   plan.seq_num_shared_blocks)
+                   plan.seq_num_shared_blocks,
+                   torch.cat([plan.node_first_block, torch.zeros(extra_nodes, dtype=torch.int32)]))
 
 
 def main() -> int:
     ops = native_ops(torch.device("cuda"))
     assert ops is not None, "the CUDA kernel is not built"
     failures = 0
-    for i, (spec, hq, hkv, d, bs, dtype, splits, padded, (partial, final)) in enumerate(CASES):
+    for i, (spec, hq, hkv, d, bs, dtype, splits, padded, (partial, final), *rest) in enumerate(CASES):
+        variant = dict(rest[0]) if rest else {}
+        if variant.get("sinks"):
+            variant["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(i)).cuda()
         os.environ["CHUNKATTN_CHUNK_SPLITS"], os.environ["CHUNKATTN_SEQ_SPLITS"] = map(str, splits)
         os.environ["CHUNKATTN_PARTIAL_STAGE_TOKENS"] = str(partial)
         os.environ["CHUNKATTN_FINAL_STAGE_TOKENS"] = str(final)
@@ -74,14 +85,15 @@ def main() -> int:
         out = torch.full_like(b.query, float("nan"))
         lse = torch.full((num_seqs, hq), float("nan"), device="cuda")
         ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                       *run_plan.tensors(), *ws, b.scale, out, lse)
+                       *run_plan.tensors(), *ws, b.scale, out, lse, **variant)
         torch.cuda.synchronize()
         ref = tpp_decode_reference(b.query, b.key_cache, b.value_cache, b.block_table,
-                                   b.seq_lens, plan.to("cuda"), b.scale)
+                                   b.seq_lens, plan.to("cuda"), b.scale, **variant)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         ok = not out.isnan().any().item() and err < 2e-2
         label = ("capacity " if padded == "capacity" else "padded " if padded else "") + (
-            f"partial stage {partial} " if partial else "") + (f"final stage {final} " if final else "")
+            f"partial stage {partial} " if partial else "") + (f"final stage {final} " if final else "") + (
+            f"{', '.join(sorted(variant))} " if variant else "")
         failures += not ok
         print(f"{spec:15s} heads {hq}/{hkv} d {d} block {bs} {str(dtype)[6:]:8s} splits {splits} "
               f"{label}nodes {plan.num_nodes} partials {plan.num_partials}: "

@@ -64,10 +64,11 @@ void attend_amx(const AttendArgs& a) {
   cfg.palette = 1;
   for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
-  for (int t0 = 0; t0 < a.num_tokens; t0 += kKeyTile) {
+  const int seen = first_seen_key(a);
+  for (int t0 = first_visible_key(a, kKeyTile); t0 < a.num_tokens; t0 += kKeyTile) {
     const int n = imin(kKeyTile, a.num_tokens - t0);
     for (int i = 0; i < kKeyTile; i += kTile)
-      pack_tile_bf16<D>(a, t0 + i, imin(kTile, n - i), kp + i, kKeyTile, vp + i / 2 * D);
+      pack_tile_bf16<D>(a, t0 + i, imin(kTile, n - i), kp + i, kKeyTile, vp + i / 2 * D, seen - (t0 + i));
     if (t0 + kKeyTile < a.num_tokens)
       prefetch_tokens<D>(a, t0 + kKeyTile, imin(kKeyTile, a.num_tokens - t0 - kKeyTile));
     for (int r0 = 0; r0 < R; r0 += 16) {
@@ -84,7 +85,7 @@ void attend_amx(const AttendArgs& a) {
       }
       _tile_stored(0, s, kKeyTile * 4); _tile_stored(1, s + 16, kKeyTile * 4);
       _tile_stored(2, s + 32, kKeyTile * 4); _tile_stored(3, s + 48, kKeyTile * 4);
-      softmax_rows(s, pb, m + r0, l + r0, alpha, rt, n, a.scale);
+      softmax_rows(a, r0, t0, s, pb, m + r0, l + r0, alpha, rt, n);
       // O = alpha O + P V, 64 dims (4 accumulator tiles) at a time
       float* ob = o + size_t(r0) * D;
       for (int r = 0; r < rt; ++r) {

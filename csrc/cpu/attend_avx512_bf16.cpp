@@ -65,7 +65,7 @@ inline void qk_rows(const uint32_t* q, const uint32_t* kp, int ks, float* s, int
 template <int D, int RP>
 inline void pv_block(const uint32_t* p, const float* alpha, const uint32_t* vp, float* o) {
   constexpr int NV = D / 16;
-  constexpr int DB = NV < 4 ? NV : 4;  // RP x DB = 16 accumulators
+  constexpr int DB = exact_block(NV, 4);  // RP x DB <= 16 accumulators
   for (int c0 = 0; c0 < NV; c0 += DB) {
     __m512 acc[RP][DB];
     for (int r = 0; r < RP; ++r) {
@@ -106,11 +106,12 @@ void attend_bf16(const AttendArgs& a) {
   float m[kRowBlock], l[kRowBlock], alpha[kRowBlock];
   const uint32_t* q = static_cast<const uint32_t*>(a.q);
   init_states(a, D);
-  for (int c0 = 0; c0 < a.num_tokens; c0 += chunk) {
+  const int seen = first_seen_key(a);
+  for (int c0 = first_visible_key(a, kKeyTile); c0 < a.num_tokens; c0 += chunk) {
     const int cn = imin(chunk, a.num_tokens - c0);
     const int padded = (cn + kKeyTile - 1) / kKeyTile * kKeyTile;
     for (int i = 0; i < padded; i += kTile)
-      pack_tile_bf16<D>(a, c0 + i, imin(kTile, cn - i), kp + i, chunk, vp + i / 2 * D);
+      pack_tile_bf16<D>(a, c0 + i, imin(kTile, cn - i), kp + i, chunk, vp + i / 2 * D, seen - (c0 + i));
     if (c0 + chunk < a.num_tokens) prefetch_tokens<D>(a, c0 + chunk, imin(chunk, a.num_tokens - c0 - chunk));
     for (int r0 = 0; r0 < a.num_rows; r0 += kRowBlock) {
       const int rt = imin(kRowBlock, a.num_rows - r0);
@@ -121,7 +122,7 @@ void attend_bf16(const AttendArgs& a) {
       }
       for (int t = 0; t < cn; t += kKeyTile) {
         qk_rows<D, 4>(q + r0 * (D / 2), kp + t, chunk, s, rt);
-        softmax_rows(s, pb, m, l, alpha, rt, imin(kKeyTile, cn - t), a.scale);
+        softmax_rows(a, r0, c0 + t, s, pb, m, l, alpha, rt, imin(kKeyTile, cn - t));
         pv_rows<D, 4>(pb, alpha, vp + t / 2 * D, o, rt);
       }
       for (int r = 0; r < rt; ++r) {
@@ -138,6 +139,8 @@ void attend_bf16(const AttendArgs& a) {
 AttendFn attend_avx512_bf16(int head_size) {
   switch (head_size) {
     case 64: return &attend_bf16<64>;
+    case 80: return &attend_bf16<80>;
+    case 96: return &attend_bf16<96>;
     case 128: return &attend_bf16<128>;
     case 256: return &attend_bf16<256>;
     default: return nullptr;

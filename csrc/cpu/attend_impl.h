@@ -47,6 +47,7 @@ inline float to_f32(Half x) {
 }
 
 inline int imin(int a, int b) { return a < b ? a : b; }
+inline int imax(int a, int b) { return a > b ? a : b; }
 
 // Where row r's state lives (see AttendArgs).
 inline float* o_row(const AttendArgs& a, int r, int head_size) {
@@ -57,6 +58,34 @@ inline float* m_row(const AttendArgs& a, int r) {
 }
 inline float* l_row(const AttendArgs& a, int r) {
   return a.l + (r / a.rows_per_seq) * a.ml_seq_stride + r % a.rows_per_seq;
+}
+
+// Of a tile starting at key t0, the leading keys row r does not see (before its window's edge).
+inline int hidden_keys(const AttendArgs& a, int r, int t0) {
+  if (a.first_key == nullptr) return 0;
+  const int h = a.first_key[r / a.rows_per_seq] - t0;
+  return h < 0 ? 0 : h;
+}
+
+// The first key of the run some row of the call sees (num_tokens if none does). Keys before it
+// are never loaded into a product: with a window, cache rows no reader sees may hold anything.
+inline int first_seen_key(const AttendArgs& a) {
+  if (a.first_key == nullptr) return 0;
+  int lo = a.num_tokens;
+  for (int k = 0, n = a.num_rows / a.rows_per_seq; k < n; ++k) lo = imin(lo, a.first_key[k]);
+  return imax(lo, 0);
+}
+
+// Where the walk over the run starts: first_seen_key rounded down to a multiple of `align` (the
+// kernels' packing keeps 16-token runs inside one block).
+inline int first_visible_key(const AttendArgs& a, int align) { return first_seen_key(a) / align * align; }
+
+// Largest divisor of nv not above cap: register blocks of P.V that tile the head dim exactly
+// (head sizes 80 and 96 are not multiples of every ISA's block).
+constexpr int exact_block(int nv, int cap) {
+  for (int d = cap < nv ? cap : nv; d > 1; --d)
+    if (nv % d == 0) return d;
+  return 1;
 }
 
 inline void init_states(const AttendArgs& a, int head_size) {
@@ -141,11 +170,12 @@ inline void qk_rows_f32(const float* q, const float* kf, int64_t ks, float* s, i
   }
 }
 
-// Online-softmax step of rows r0..r0+rt over one tile: scores s (raw dot products) become
-// p = exp(scale * s - m_new) in place (0 for t >= n), alpha[r] = exp(m_old - m_new) is the factor
-// the caller applies to o, and m, l are updated. n >= 1, so m_new is finite.
+// Online-softmax step of rows r0..r0+rt over the tile at key t0: scores s (raw dot products)
+// become p = exp(cap(scale * s) - m_new) in place (0 for t >= n and for keys the row does not
+// see), alpha[r] = exp(m_old - m_new) is the factor the caller applies to o, and m, l are updated.
+// A row that has seen no key yet keeps its empty state (alpha 1, p 0).
 template <class I>
-inline void softmax_tile(const AttendArgs& a, int r0, int rt, int n, float* s, float* alpha) {
+inline void softmax_tile(const AttendArgs& a, int r0, int rt, int t0, int n, float* s, float* alpha) {
   using reg = typename I::reg;
   constexpr int NV = kTile / I::W;
   const reg scale = I::set1(a.scale);
@@ -153,7 +183,12 @@ inline void softmax_tile(const AttendArgs& a, int r0, int rt, int n, float* s, f
     float* row = s + r * kTile;
     reg x[NV];
     reg mx = I::set1(-__builtin_inff());
-    for (int j = 0; j < NV; ++j) I::store(row + j * I::W, I::mul(I::load(row + j * I::W), scale));
+    for (int j = 0; j < NV; ++j) {
+      reg v = I::mul(I::load(row + j * I::W), scale);
+      if (a.soft_cap > 0.f) v = soft_capped<I>(v, a.soft_cap);
+      I::store(row + j * I::W, v);
+    }
+    for (int t = 0, h = imin(hidden_keys(a, r0 + r, t0), n); t < h; ++t) row[t] = -__builtin_inff();
     for (int t = n; t < kTile; ++t) row[t] = -__builtin_inff();
     for (int j = 0; j < NV; ++j) {
       x[j] = I::load(row + j * I::W);
@@ -163,6 +198,11 @@ inline void softmax_tile(const AttendArgs& a, int r0, int rt, int n, float* s, f
     float* l = l_row(a, r0 + r);
     float m_tile = I::reduce_max(mx);
     float m_new = m_tile > *m ? m_tile : *m;
+    if (m_new == -__builtin_inff()) {  // nothing seen yet: exp(-inf - -inf) would be NaN
+      alpha[r] = 1.f;
+      for (int t = 0; t < kTile; ++t) row[t] = 0.f;
+      continue;
+    }
     alpha[r] = expf(*m - m_new);  // first tile: exp(-inf) = 0 wipes the zero-initialised o
     reg mn = I::set1(m_new), sum = I::zero();
     for (int j = 0; j < NV; ++j) {
@@ -178,18 +218,18 @@ inline void softmax_tile(const AttendArgs& a, int r0, int rt, int n, float* s, f
 // o[r] = alpha[r] * o[r] + p[r] . V over the n valid tokens, for RP rows; vf as [kTile][vs]
 // (token t at t * vs).
 template <class I, int D, int RP>
-inline void pv_block_f32(const float* p, const float* alpha, const float* vf, int64_t vs, int n,
-                         float* const* o) {
+inline void pv_block_f32(const float* p, const float* alpha, const float* vf, int64_t vs, int t_lo,
+                         int n, float* const* o) {
   using reg = typename I::reg;
   constexpr int NV = D / I::W;
-  constexpr int DB = NV < I::kPvVecs ? NV : I::kPvVecs;
+  constexpr int DB = exact_block(NV, I::kPvVecs);
   for (int c0 = 0; c0 < NV; c0 += DB) {
     reg acc[RP][DB];
     for (int r = 0; r < RP; ++r) {
       reg al = I::set1(alpha[r]);
       for (int j = 0; j < DB; ++j) acc[r][j] = I::mul(I::load(o[r] + (c0 + j) * I::W), al);
     }
-    for (int t = 0; t < n; ++t) {
+    for (int t = t_lo; t < n; ++t) {  // keys before t_lo: no row sees them (p = 0, V unread)
       reg pb[RP];
       for (int r = 0; r < RP; ++r) pb[r] = I::set1(p[r * kTile + t]);
       for (int j = 0; j < DB; ++j) {
@@ -203,12 +243,12 @@ inline void pv_block_f32(const float* p, const float* alpha, const float* vf, in
 }
 
 template <class I, int D, int RP>
-inline void pv_rows_f32(const float* p, const float* alpha, const float* vf, int64_t vs, int n,
-                        float* const* o, int rows) {
+inline void pv_rows_f32(const float* p, const float* alpha, const float* vf, int64_t vs, int t_lo,
+                        int n, float* const* o, int rows) {
   for (; rows >= RP; rows -= RP, p += RP * kTile, alpha += RP, o += RP)
-    pv_block_f32<I, D, RP>(p, alpha, vf, vs, n, o);
+    pv_block_f32<I, D, RP>(p, alpha, vf, vs, t_lo, n, o);
   if constexpr (RP > 1) {
-    if (rows > 0) pv_rows_f32<I, D, RP / 2>(p, alpha, vf, vs, n, o, rows);
+    if (rows > 0) pv_rows_f32<I, D, RP / 2>(p, alpha, vf, vs, t_lo, n, o, rows);
   }
 }
 
@@ -243,7 +283,8 @@ void attend_f32(const AttendArgs& a) {
   float* o[kRowTile];
   const float* q = static_cast<const float*>(a.q);
   init_states(a, D);
-  for (int t0 = 0; t0 < a.num_tokens; t0 += kTile) {
+  const int seen = first_seen_key(a);
+  for (int t0 = first_visible_key(a, kTile); t0 < a.num_tokens; t0 += kTile) {
     const int n = imin(kTile, a.num_tokens - t0);  // valid tokens of the tile
     const float *kf = kbuf, *vf = vbuf;
     int64_t ks = kTile, vs = D;
@@ -251,9 +292,9 @@ void attend_f32(const AttendArgs& a) {
     for (int r0 = 0; r0 < a.num_rows; r0 += kRowTile) {
       const int rt = imin(kRowTile, a.num_rows - r0);
       qk_rows_f32<I, D, I::kQkRows>(q + r0 * D, kf, ks, s, rt);
-      softmax_tile<I>(a, r0, rt, n, s, alpha);
+      softmax_tile<I>(a, r0, rt, t0, n, s, alpha);
       for (int r = 0; r < rt; ++r) o[r] = o_row(a, r0 + r, D);
-      pv_rows_f32<I, D, I::kPvRows>(s, alpha, vf, vs, n, o, rt);
+      pv_rows_f32<I, D, I::kPvRows>(s, alpha, vf, vs, imax(seen - t0, 0), n, o, rt);
     }
   }
 }
@@ -271,6 +312,8 @@ template <class I>
 AttendFn attend_f32_for_head_size(int head_size) {
   switch (head_size) {
     case 64: return &attend_f32_any_dtype<I, 64>;
+    case 80: return &attend_f32_any_dtype<I, 80>;
+    case 96: return &attend_f32_any_dtype<I, 96>;
     case 128: return &attend_f32_any_dtype<I, 128>;
     case 256: return &attend_f32_any_dtype<I, 256>;
     default: return nullptr;

@@ -21,14 +21,18 @@ inline __m512i interleave16(__m512i idx, __m256i a, __m256i b) {
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // Tokens are packed in runs of 16: block_size % 16 == 0 and t0 % 32 == 0 keep a run in one block.
+// Tokens [0, lo) and [n, kTile) of the tile are packed as zeros, unread: before lo no row of the
+// call sees a key (a window's edge), past n the run has ended.
 template <int D>
-void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, uint32_t* vp) {
+void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, uint32_t* vp, int lo) {
   const __m512i idx = _mm512_load_si512(kInterleave);
   const uint16_t* kd = static_cast<const uint16_t*>(a.k.data);
   const uint16_t* vd = static_cast<const uint16_t*>(a.v.data);
   const bool k_transposed = a.k.dim_stride != 1;
   for (int i = 0; i < kTile; i += 16) {
-    if (i >= n) {  // whole run past the end: zeros (cache memory there may hold NaN)
+    const int low = imin(imax(lo - i, 0), 16);
+    if (i >= n || low >= imin(16, n - i)) {  // no token of the run is read: zeros (cache memory
+                                            // there may hold NaN)
       for (int p = 0; p < D / 2; ++p) _mm512_storeu_si512(kp + p * ks + i, _mm512_setzero_si512());
       for (int u = i / 2; u < (i + 16) / 2; ++u)
         for (int c = 0; c < D; c += 16) _mm512_storeu_si512(vp + u * D + c, _mm512_setzero_si512());
@@ -40,7 +44,7 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, ui
     const uint16_t* kb = kd + blk * a.k.block_stride + a.kv_head * a.k.head_stride + off * a.k.token_stride;
     const uint16_t* vb = vd + blk * a.v.block_stride + a.kv_head * a.v.head_stride + off * a.v.token_stride;
     if (k_transposed) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      const __mmask16 mask = static_cast<__mmask16>(((1u << valid) - 1) & ~((1u << low) - 1));
       for (int p = 0; p < D / 2; ++p) {
         __m256i k0 = _mm256_maskz_loadu_epi16(mask, kb + (2 * p) * a.k.dim_stride);
         __m256i k1 = _mm256_maskz_loadu_epi16(mask, kb + (2 * p + 1) * a.k.dim_stride);
@@ -51,7 +55,7 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, ui
         const uint16_t* src = kb + j * a.k.token_stride;
         for (int p = 0; p < D / 2; ++p) {
           uint32_t w = 0;
-          if (j < valid) __builtin_memcpy(&w, src + 2 * p, 4);
+          if (j >= low && j < valid) __builtin_memcpy(&w, src + 2 * p, 4);
           kp[p * ks + i + j] = w;
         }
       }
@@ -61,10 +65,11 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, ui
       const uint16_t* v1 = v0 + a.v.token_stride;
       uint32_t* dst = vp + (i + j) / 2 * D;
       for (int c = 0; c < D; c += 16) {
-        __m256i x0 = j < valid ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c))
-                               : _mm256_setzero_si256();
-        __m256i x1 = j + 1 < valid ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c))
-                                   : _mm256_setzero_si256();
+        __m256i x0 = j >= low && j < valid ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c))
+                                           : _mm256_setzero_si256();
+        __m256i x1 = j + 1 >= low && j + 1 < valid
+                         ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c))
+                         : _mm256_setzero_si256();
         _mm512_storeu_si512(dst + c, interleave16(idx, x0, x1));
       }
     }
@@ -95,26 +100,36 @@ inline void prefetch_tokens(const AttendArgs& a, int t0, int n) {
   }
 }
 
-// One online-softmax step per row over a key tile of n valid keys (n >= 1): s (raw dot products)
-// becomes p = exp(scale * s - m_new), stored to pb as bf16 pairs for P.V (padding keys give 0);
-// alpha = exp(m_old - m_new) rescales o; l sums the unrounded p.
-inline void softmax_rows(float* s, uint32_t* pb, float* m, float* l, float* alpha, int rows, int n,
-                         float scale_f) {
+// One online-softmax step per row over a key tile at key t0 of n valid keys (n >= 1): s (raw
+// dot products) becomes p = exp(cap(scale * s) - m_new), stored to pb as bf16 pairs for P.V
+// (padding keys and keys before the row's window edge give 0); alpha = exp(m_old - m_new)
+// rescales o; l sums the unrounded p. Row r of s is row r0 + r of the call. A row that has seen
+// no key yet keeps its empty state (alpha 1, p 0).
+inline void softmax_rows(const AttendArgs& a, int r0, int t0, float* s, uint32_t* pb, float* m, float* l,
+                         float* alpha, int rows, int n) {
   constexpr int NV = kKeyTile / 16;
-  const __m512 scale = _mm512_set1_ps(scale_f);
+  const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
   for (int r = 0; r < rows; ++r) {
     const float* row = s + r * kKeyTile;
+    const int hidden = hidden_keys(a, r0 + r, t0);
     __m512 x[NV];
     __m512 mx = ninf;
     for (int j = 0; j < NV; ++j) {
       x[j] = _mm512_mul_ps(_mm512_loadu_ps(row + j * 16), scale);
-      const int valid = n - j * 16;  // padding keys -> -inf -> p = 0
-      if (valid < 16) x[j] = valid <= 0 ? ninf : _mm512_mask_mov_ps(ninf, (__mmask16)((1u << valid) - 1), x[j]);
+      if (a.soft_cap > 0.f) x[j] = soft_capped<IsaAvx512>(x[j], a.soft_cap);
+      // keys [max(hidden, 0), n) of the tile count; the rest -> -inf -> p = 0
+      const int lo = imin(imax(hidden - j * 16, 0), 16), hi = imin(imax(n - j * 16, 0), 16);
+      if (lo > 0 || hi < 16) x[j] = _mm512_mask_mov_ps(ninf, (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)), x[j]);
       mx = _mm512_max_ps(mx, x[j]);
     }
     const float m_tile = _mm512_reduce_max_ps(mx);
     const float m_new = m_tile > m[r] ? m_tile : m[r];
+    if (m_new == -__builtin_inff()) {  // nothing seen yet: exp(-inf - -inf) would be NaN
+      alpha[r] = 1.f;
+      for (int j = 0; j < NV; j += 2) _mm512_storeu_si512(pb + r * (kKeyTile / 2) + j * 8, _mm512_setzero_si512());
+      continue;
+    }
     alpha[r] = expf(m[r] - m_new);  // first tile: exp(-inf) = 0 wipes the zeroed o
     const __m512 mn = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();

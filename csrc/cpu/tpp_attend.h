@@ -30,6 +30,11 @@ struct AttendArgs {
   const void* q;             // [num_rows, head_size] dense: bf16 for the *_bf16 kernel, else fp32
   int num_rows;
   float scale;
+  float soft_cap;            // > 0: a scaled score s becomes soft_cap * tanh(s / soft_cap)
+  // Sliding window: the rows of the call's sequence k (row r / rows_per_seq) do not see the run's
+  // keys before first_key[k] (their window's edge; may be <= 0 or >= num_tokens). nullptr: no
+  // window.
+  const int32_t* first_key;
   // Output state of row r lives at o + (r / rows_per_seq) * o_seq_stride + (r % rows_per_seq) *
   // head_size, and m/l + (r / rows_per_seq) * ml_seq_stride + r % rows_per_seq: the GQA group of
   // one sequence is contiguous, sequences are strided (the partial_o/m/l workspace layout).

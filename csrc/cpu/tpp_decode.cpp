@@ -60,7 +60,7 @@ Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t bl
     if (AttendFn fn = attend_scalar(hs)) return {fn, false};
   }
   TORCH_CHECK(false, "tpp_decode: no CPU kernel for head_size ", head_size,
-              " (supported: 64, 128, 256)",
+              " (supported: 64, 80, 96, 128, 256)",
               want.empty() ? std::string() : " with CHUNKATTN_CPU_ISA=" + want);
 }
 
@@ -149,9 +149,16 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
   }
   std::stable_sort(items.begin(), items.end(), [](const NodeItem& x, const NodeItem& y) { return x.cost > y.cost; });
 
-  // Per thread: query rows [max_rows][head_size], then the sequence-first state o [group][head_size], m, l.
+  // Per thread: query rows [max_rows][head_size], then the sequence-first state o [group][head_size], m, l,
+  // then each sequence's window edge [max_rows / group].
   const int64_t q_scratch = (max_rows * q_row_bytes + 63) / 64 * 64;
-  const int64_t thread_bytes = q_scratch + (group * head_size + 2 * group) * 4 + 64;
+  const int64_t state_words = group * head_size + 2 * group;
+  const int64_t thread_bytes = q_scratch + (state_words + max_rows / group + 1) * 4 + 64;
+  // A row's first visible key (its window's edge), in positions of its sequence.
+  const int64_t window = args.sliding_window;
+  auto window_start = [&](int64_t row) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, plan.seq_lens[row] - window) : 0;
+  };
   std::vector<char> scratch(static_cast<size_t>(thread_bytes * num_threads) + 64);
   char* scratch_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
 
@@ -161,6 +168,7 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
   proto.dtype = kv_dtype;
   proto.block_size = static_cast<int>(block_size);
   proto.scale = static_cast<float>(args.scale);
+  proto.soft_cap = static_cast<float>(args.soft_cap);
   proto.rows_per_seq = static_cast<int>(group);
   float* po = args.partial_o.data_ptr<float>();
   float* pm = args.partial_m.data_ptr<float>();
@@ -187,6 +195,13 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
     a.l = pl + it.begin * num_heads + it.kv_head * group;
     a.o_seq_stride = num_heads * head_size;
     a.ml_seq_stride = num_heads;
+    if (window > 0) {  // each sharer's edge, in the node's own positions
+      int32_t* edge = reinterpret_cast<int32_t*>(qrows + q_scratch) + state_words;
+      const int64_t node_start = int64_t(plan.node_first_block[it.node]) * block_size;
+      for (int64_t j = it.begin; j < it.end; ++j)
+        edge[j - it.begin] = static_cast<int32_t>(window_start(plan.node_seq_ids[j]) - node_start);
+      a.first_key = edge;
+    }
     kernel.fn(a);
   };
 
@@ -195,6 +210,7 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
   const int64_t out_esz = out.element_size();
   const std::optional<at::Tensor>& lse = args.lse;
   float* lse_base = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  const float* sinks = args.sinks.has_value() ? args.sinks->data_ptr<float>() : nullptr;
   auto sequence_first = [&](int64_t w, int tid) {
     const int64_t i = w / num_kv_heads, h = w % num_kv_heads;
     char* qrows = scratch_base + tid * thread_bytes;
@@ -214,6 +230,11 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
     a.l = sl;
     a.o_seq_stride = group * head_size;
     a.ml_seq_stride = group;
+    int32_t edge = 0;
+    if (window > 0) {
+      edge = static_cast<int32_t>(window_start(i) - int64_t(shared_blocks) * block_size);
+      a.first_key = &edge;
+    }
     kernel.fn(a);
     for (int64_t k = plan.seq_partial_indptr[i]; k < plan.seq_partial_indptr[i + 1]; ++k) {
       const int64_t row = int64_t(plan.seq_partial_ids[k]) * num_heads + h * group;
@@ -223,6 +244,7 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
     }
     for (int64_t g = 0; g < group; ++g) {
       const int64_t hh = h * group + g;
+      if (sinks) softmax_state_add_sink(so + g * head_size, sm + g, sl + g, sinks[hh], static_cast<int>(head_size));
       void* dst = out_base + (i * out.stride(0) + hh * out.stride(1)) * out_esz;
       const float inv_l = softmax_state_inv_l(sl[g]);
       switch (out.scalar_type()) {

@@ -2,7 +2,7 @@
 // file's `#pragma GCC target(...)` and inside an anonymous namespace, so every function is compiled
 // for that target and none leaks to another translation unit (no ODR clash between ISAs).
 //
-// Members: reg, W (lanes), load/store/set1/zero/add/sub/mul/fma/fnmadd/max, reduce_max/reduce_add,
+// Members: reg, W (lanes), load/store/set1/zero/add/sub/mul/div/fma/fnmadd/max, reduce_max/reduce_add,
 // exp (exp(-inf) == 0 exactly: masked keys must add nothing), and the kernel's tile shapes
 // kQkRows (query rows per score micro-kernel), kPvRows x kPvVecs (rows x registers of the P.V one).
 
@@ -16,6 +16,7 @@
   static reg add(reg a, reg b) { return P##_add_ps(a, b); }                 \
   static reg sub(reg a, reg b) { return P##_sub_ps(a, b); }                 \
   static reg mul(reg a, reg b) { return P##_mul_ps(a, b); }                 \
+  static reg div(reg a, reg b) { return P##_div_ps(a, b); }                 \
   static reg fma(reg a, reg b, reg c) { return P##_fmadd_ps(a, b, c); }     \
   static reg fnmadd(reg a, reg b, reg c) { return P##_fnmadd_ps(a, b, c); } \
   static reg max(reg a, reg b) { return P##_max_ps(a, b); }
@@ -102,6 +103,7 @@ struct IsaScalar {
   static reg add(reg a, reg b) { return a + b; }
   static reg sub(reg a, reg b) { return a - b; }
   static reg mul(reg a, reg b) { return a * b; }
+  static reg div(reg a, reg b) { return a / b; }
   static reg fma(reg a, reg b, reg c) { return a * b + c; }
   static reg fnmadd(reg a, reg b, reg c) { return c - a * b; }
   static reg max(reg a, reg b) { return a > b ? a : b; }
@@ -110,3 +112,11 @@ struct IsaScalar {
   static reg exp(reg x) { return expf(x); }
 };
 #endif
+
+// cap * tanh(x / cap) with tanh(y) = 1 - 2 / (e^{2y} + 1): exp saturates (never inf or NaN), so
+// large |y| gives exactly +-1. The absolute error near 0 is ~cap * 2^-24, far below a logit's.
+template <class I>
+inline typename I::reg soft_capped(typename I::reg x, float cap) {
+  const typename I::reg e = I::exp(I::mul(x, I::set1(2.f / cap)));
+  return I::mul(I::set1(cap), I::sub(I::set1(1.f), I::div(I::set1(2.f), I::add(e, I::set1(1.f)))));
+}

@@ -9,22 +9,25 @@
 #pragma once
 
 #include "tpp_params.cuh"
+#include "tpp_scores.cuh"
 #include "tpp_slot_merge.cuh"
 
 namespace chunkattn {
 
 // ---- Shared-memory layout of one CTA ----
-//   [row meta: int64 q offset x kMaxRows, int out index x kMaxRows][Q rows][KV stages]
+//   [row meta: int64 q offset, int out index, int window edge, each x kMaxRows][Q rows][KV stages]
 template <typename T, int D>
 struct Smem {
   int64_t* row_q;  // element offset of the row's query vector, -1 = absent row
   int* row_out;    // partial: slot * num_heads + head; final: head; -1 = absent row
+  int* row_lo;     // a chunk item's row: its first token of the run inside its sliding window
   T* q;
   T* kv;           // stage s: K at kv + s*2*kTokens*kLd, V right after
   __device__ Smem(char* base, int max_rows) {
     using S = TileShape<D>;
     row_q = reinterpret_cast<int64_t*>(base);
     row_out = reinterpret_cast<int*>(base + kMaxRows * 8);
+    row_lo = row_out + kMaxRows;
     q = reinterpret_cast<T*>(base + ((S::kMetaBytes + 15) / 16) * 16);
     kv = q + max_rows * S::kLd;
   }
@@ -38,26 +41,32 @@ struct KvRows {
 };
 
 // Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
-// Thread x copies 16-byte chunk x % kChunks of tokens x / kChunks + i * kTokStride. Its block ids
-// are loaded first, all at once, and the copies issued after: written as one loop (id, then its
-// copy), nvcc (13.0, sm_90a) keeps each copy waiting on its own id load and a branch, eight
-// dependent load latencies a stage in a row (SASS: LDG.E.CONSTANT -> ~100 instructions ->
-// LDGSTS, eight times; tests/kernels/test_cuda_codegen.py).
+// Copy i of thread x is 16-byte chunk x + i * kThreads of the stage, token-major: where kThreads
+// is a multiple of the kChunks of a row (heads 64, 128, 256), chunk x % kChunks of tokens
+// x / kChunks + i * kThreads / kChunks, its offset added once; at head 96 (12 chunks) the chunk
+// moves from copy to copy. A thread's block ids are loaded first, all at once, and the copies
+// issued after: written as one loop (id, then its copy), nvcc (13.0, sm_90a) keeps each copy
+// waiting on its own id load and a branch, eight dependent load latencies a stage in a row (SASS:
+// LDG.E.CONSTANT -> ~100 instructions -> LDGSTS, eight times; tests/kernels/test_cuda_codegen.py).
 template <typename T, int D, int TOKENS>
 __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
                                               int t0, int t_end, int kv_head) {
   using S = TileShape<D, TOKENS>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per token row
-  static_assert(kThreads % kChunks == 0 && (S::kTokens * kChunks) % kThreads == 0,
-                "a thread copies the same chunk of every token it copies");
-  constexpr int kTokStride = kThreads / kChunks;
+  static_assert((S::kTokens * kChunks) % kThreads == 0, "every thread copies as many chunks");
+  constexpr bool kSameChunk = kThreads % kChunks == 0;
   constexpr int kPerThread = S::kTokens * kChunks / kThreads;
   const int mask = (1 << p.block_size_log2) - 1;
-  const int c = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks;
+  const int x = threadIdx.x;
+  const auto tok_of = [x](int i) {
+    return kSameChunk ? x / kChunks + i * (kThreads / kChunks) : (x + i * kThreads) / kChunks;
+  };
+  const auto chunk_of = [x](int i) { return kSameChunk ? 0 : (x + i * kThreads) % kChunks; };
+  const int c = kSameChunk ? x % kChunks : 0;  // every copy's chunk, or 0 and chunk_of's
   int blk[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int t = t0 + tok0 + i * kTokStride;
+    const int t = t0 + tok_of(i);
     blk[i] = t < t_end ? __ldg(ids + (t >> p.block_size_log2)) : 0;
   }
   const T* key_head = static_cast<const T*>(p.key) + kv_head * p.k_stride_head + c * 8;
@@ -68,11 +77,11 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
   const auto copy_tokens = [&](const auto& rows) {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
-      const int tok = tok0 + i * kTokStride, t = t0 + tok;
+      const int tok = tok_of(i), t = t0 + tok, ci = chunk_of(i) * 8;
       const int bytes = t < t_end ? 16 : 0;
       const KvRows<T> src = rows(blk[i], t & mask);
-      cp_async_16(sk + tok * S::kLd + c * 8, src.k, bytes);
-      cp_async_16(sv + tok * S::kLd + c * 8, src.v, bytes);
+      cp_async_16(sk + tok * S::kLd + c * 8 + ci, src.k + ci, bytes);
+      cp_async_16(sv + tok * S::kLd + c * 8 + ci, src.v + ci, bytes);
     }
   };
   if (p.kv_offsets_i32) {
@@ -93,56 +102,12 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
   }
 }
 
-// Pairwise reduction of a thread's N values (N a power of two): log2(N) dependent steps where a
-// running fold takes N - 1. The stage loop's row max and row sum fold 16 values a row at head
-// 128: as running folds, chains of fixed-latency FMNMX / FADD, the warp stall Nsight Compute puts
-// first at the served shape's chunk-first launch on an H200 ("wait", 1.10 warps an issue).
-template <int N, typename Op>
-__device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
-  static_assert((N & (N - 1)) == 0, "a power of two");
-#pragma unroll
-  for (int w = 1; w < N; w *= 2)
-#pragma unroll
-    for (int i = 0; i + w < N; i += 2 * w) v[i] = op(v[i], v[i + w]);
-  return v[0];
-}
-
-// A row's values among a thread's scores s[nb][e]: row r of the thread's two is e = 2r, 2r + 1.
-template <int NB>
-__device__ __forceinline__ void row_values(const float s[][4], int r, float (&v)[2 * NB]) {
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    v[2 * nb] = s[nb][2 * r];
-    v[2 * nb + 1] = s[nb][2 * r + 1];
-  }
-}
-
-// A stage's raw scores (q.k, unscaled): MASK sets tokens at or past t_end to -inf (the zero-filled
-// K rows); mx[r] = the max of the thread's share of row r. The scale is applied to the max alone
-// and folded into the exponent's FFMA (scores * scale_log2 - max): the scale is positive
-// (check_tpp_args), and rounding is monotonic, so max(s) * scale_log2 is exactly max(s *
-// scale_log2) and the running max is the same as when each score was scaled first.
-template <bool MASK, int NB>
-__device__ __forceinline__ void mask_and_max(float s[][4], int tok0, int t_end, float mx[2]) {
-  if constexpr (MASK) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (tok0 + nb * 8 + (e & 1) >= t_end) s[nb][e] = -INFINITY;
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float v[2 * NB];
-    row_values<NB>(s, r, v);
-    mx[r] = tree_reduce(v, [](float a, float b) { return fmaxf(a, b); });
-  }
-}
-
 // Attention of up to 16*WM rows (described in smem row meta) against tokens [t_begin, t_end) of
 // the KV run `ids`, for one kv head, in smem stages of TOKENS tokens. FINAL = false: writes each
 // row's state to its slot. FINAL = true: rows are q heads of sequence `seq`; merges the row's
-// slots and writes out/lse.
+// slots and writes out/lse. seq < 0: a chunk item, whose rows (sharers of a node) each see the
+// run from their own window edge (Smem::row_lo); a tail's range is its row's window already
+// (tail_range).
 template <typename T, int D, int WM, bool FINAL, int TOKENS = TileShape<D>::kTokens>
 __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int* ids, int t_begin,
                             int t_end, int kv_head, int seq) {
@@ -166,6 +131,20 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
     const int r = idx / (D / 8), c = idx % (D / 8);
     const int64_t off = sm.row_q[r];
     cp_async_16(sm.q + r * kLd + c * 8, off >= 0 ? query + off + c * 8 : query, off >= 0 ? 16 : 0);
+  }
+  // A chunk item under a sliding window starts at its rows' lowest edge (no row sees the KV
+  // before it); a stage that starts before the highest masks each row's own (mask_window).
+  int lo[2] = {0, 0}, lo_hi = 0;
+  if (p.sliding_window > 0 && seq < 0) {
+    int lo_lo = t_end;
+    for (int r = 0; r < 16 * WM; ++r)
+      if (sm.row_out[r] >= 0) {
+        lo_lo = min(lo_lo, sm.row_lo[r]);
+        lo_hi = max(lo_hi, sm.row_lo[r]);
+      }
+    lo[0] = sm.row_lo[rb * 16 + lane / 4];
+    lo[1] = sm.row_lo[rb * 16 + lane / 4 + 8];
+    t_begin = max(t_begin, lo_lo);
   }
   const int num_tokens = t_end > t_begin ? t_end - t_begin : 0;
   const int num_stages = (num_tokens + S::kTokens - 1) / S::kTokens;
@@ -209,9 +188,12 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
           mma_16816<T>(s[2 * j + 1], a, b[2], b[3]);
         }
       }
-      // Tokens past t_end masked (a CTA-uniform branch, only a run's last stage has any), then
-      // the online softmax per row in the log2 domain.
+      // The soft cap, the rows' window edges (a CTA-uniform branch each), tokens past t_end
+      // masked (CTA-uniform, only a run's last stage has any), then the online softmax per row in
+      // the log2 domain.
+      if (p.soft_cap_log2 > 0.f) soft_cap_scores<kTokW / 8>(s, p.soft_cap_log2, p.soft_cap_in);
       const int tok0 = t_begin + it * S::kTokens + part * kTokW + 2 * (lane % 4);
+      if (t_begin + it * S::kTokens < lo_hi) mask_window<kTokW / 8>(s, tok0, lo);
       float mx[2];
       if (t_begin + (it + 1) * S::kTokens <= t_end)
         mask_and_max<false, kTokW / 8>(s, tok0, t_end, mx);
@@ -347,9 +329,19 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
         p.partial_l[out_idx] = l[r];
       }
     } else {
-      // out_idx is the q head; the row's slots were merged (merge_listed_slots).
+      // out_idx is the q head; the row's slots were merged (merge_listed_slots). A sink joins
+      // the state as a token of zero value: its weight in l, o rescaled to the new max (folded
+      // into 1 / l); an empty row with a sink gives out = 0, lse = the sink.
       const int h = out_idx;
-      const float inv = 1.f / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
+      float a = 1.f;
+      if (p.sinks != nullptr) {
+        const float sink2 = p.sinks[h] * kLog2e;
+        const float mn = fmaxf(m2[r], sink2), ms = safe_max(mn);
+        a = fast_exp2(m2[r] - ms);
+        l[r] = l[r] * a + fast_exp2(sink2 - ms);
+        m2[r] = mn;
+      }
+      const float inv = a / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
       T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + h * p.out_stride_head +
                2 * (lane % 4);
 #pragma unroll

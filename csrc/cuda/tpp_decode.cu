@@ -50,9 +50,9 @@ int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCoun
 // or 3 in the compact stage) if the occupancy query fails, or while `stream` is being captured
 // before any eager call asked (no query inside a capture).
 int resident_ctas(int device, bool half, int head_size, cudaStream_t stream) {
-  static int cache[64][2][3][2] = {};
+  static int cache[64][2][4][2] = {};
   if (device < 0 || device >= 64) device = 0;
-  const int d = head_size == 64 ? 0 : head_size == 128 ? 1 : 2;
+  const int d = head_size == 64 ? 0 : head_size == 96 ? 1 : head_size == 128 ? 2 : 3;
   const int tokens = partial_stage_tokens(head_size);
   const int fallback = partial_min_ctas(head_size, tokens);
   int& n = cache[device][half ? 1 : 0][d][tokens == default_stage_tokens(head_size) ? 0 : 1];

@@ -44,8 +44,8 @@ inline void check_tensor_core_args(const TppSizes& s, const TppArgs& a) {
               "; use kernel='reference' for fp32");
   TORCH_CHECK(a.key_cache.scalar_type() == dtype && out.scalar_type() == dtype, "tpp_decode: key_cache and out must "
               "have the query's dtype ", dtype, " on CUDA, got ", a.key_cache.scalar_type(), " and ", out.scalar_type());
-  TORCH_CHECK(s.head_size == 64 || s.head_size == 128 || s.head_size == 256,
-              "tpp_decode: head_size must be 64, 128 or 256 on CUDA, got ", s.head_size);
+  TORCH_CHECK(s.head_size == 64 || s.head_size == 96 || s.head_size == 128 || s.head_size == 256,
+              "tpp_decode: head_size must be 64, 96, 128 or 256 on CUDA, got ", s.head_size);
   TORCH_CHECK(s.block_size > 0 && (s.block_size & (s.block_size - 1)) == 0,
               "tpp_decode: block_size must be a power of two on CUDA, got ", s.block_size);
   TORCH_CHECK(query.stride(0) % 8 == 0 && query.stride(1) % 8 == 0 && aligned16(query),
@@ -77,9 +77,10 @@ struct TppWork {
 
 // The work decomposition from host ints only (sizes, the workspace's slots, the CTAs the device
 // runs at once), so a captured CUDA graph replays it. `node_blocks`: node_block_ids' length;
-// `table_width`: the block table's columns (the only host-side bound of a private tail).
+// `table_width`: the block table's columns (the only host-side bound of a private tail, with
+// `sliding_window`, 0 = none: a tail's visible tokens).
 inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t table_width, int64_t slots,
-                             int64_t resident_ctas) {
+                             int64_t resident_ctas, int64_t sliding_window = 0) {
   const int group = int(s.num_heads / s.num_kv_heads), num_nodes = int(s.num_nodes);
   const int64_t num_partials = s.num_partials, num_seqs = s.num_seqs;
   TppWork w{};
@@ -97,7 +98,9 @@ inline TppWork make_tpp_work(const TppSizes& s, int64_t node_blocks, int64_t tab
   // CHUNKATTN_{CHUNK,SEQ}_SPLITS override (tests, benchmarks).
   const int64_t resident = std::max<int64_t>(1, resident_ctas);
   const int64_t seq_ctas = num_seqs * w.seq_head_tiles * s.num_kv_heads;
-  const int max_ss = int(std::max<int64_t>(1, std::min<int64_t>(16, table_width * s.block_size / 512)));
+  int64_t tail_tokens = table_width * s.block_size;
+  if (sliding_window > 0) tail_tokens = std::min(tail_tokens, sliding_window);
+  const int max_ss = int(std::max<int64_t>(1, std::min<int64_t>(16, tail_tokens / 512)));
   int ss = splits_filling_waves(SplitQuery{seq_ctas, 0, max_ss, resident});
   int cs = splits_filling_waves(chunk_split_query(num_nodes, num_partials, node_blocks, int(s.block_size),
                                                   w.chunk_seqs, int64_t(w.chunk_head_tiles) * s.num_kv_heads,
@@ -181,9 +184,14 @@ inline TppParams make_tpp_params(const TppSizes& s, const TppArgs& a, int64_t re
   p.num_kv_heads = int(s.num_kv_heads);
   p.group = p.num_heads / p.num_kv_heads;
   p.block_size_log2 = __builtin_ctz(unsigned(s.block_size));
-  p.scale_log2 = float(a.scale) * kLog2e;
+  p.scale_log2 = a.soft_cap > 0 ? 1.f : float(a.scale) * kLog2e;
+  p.sliding_window = int(std::min<int64_t>(a.sliding_window, INT32_MAX));
+  p.soft_cap_log2 = a.soft_cap > 0 ? float(a.soft_cap * kLog2e) : 0.f;
+  p.soft_cap_in = a.soft_cap > 0 ? float(a.scale / a.soft_cap) : 0.f;
+  p.sinks = a.sinks.has_value() ? a.sinks->data_ptr<float>() : nullptr;
 
-  const TppWork w = make_tpp_work(s, plan.node_block_ids.size(0), plan.block_table.size(1), slots, resident_ctas);
+  const TppWork w = make_tpp_work(s, plan.node_block_ids.size(0), plan.block_table.size(1), slots, resident_ctas,
+                                  a.sliding_window);
   p.chunk_heads = w.chunk_heads;
   p.chunk_head_tiles = w.chunk_head_tiles;
   p.chunk_seqs = w.chunk_seqs;

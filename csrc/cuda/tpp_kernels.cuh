@@ -27,8 +27,17 @@
 
 namespace chunkattn {
 
-// The private tail of row i: block_table[i, first_private:], tokens [0, L); split s of n covers
-// [s*per, (s+1)*per) with per rounded up to whole smem stages.
+// Row seq's first visible token of a KV run that starts at block `first_block` of its table: a
+// sliding window's edge (positions [seq_len - W, seq_len) are seen), 0 without one.
+__device__ __forceinline__ int window_edge(const TppParams& p, int seq, int first_block) {
+  if (p.sliding_window <= 0) return 0;
+  const int64_t edge = int64_t(p.seq_lens[seq]) - p.sliding_window - (int64_t(first_block) << p.block_size_log2);
+  return edge > 0 ? int(edge) : 0;
+}
+
+// The private tail of row i: block_table[i, first_private:], tokens [lo, L) where lo is the
+// row's window edge (0 without a window); split s of n covers [lo + s*per, lo + (s+1)*per) with
+// per rounded up to whole smem stages.
 struct TailRange {
   const int* ids;
   int t_begin, t_end;
@@ -39,10 +48,11 @@ __device__ __forceinline__ TailRange tail_range(const TppParams& p, int seq, int
   const int first = p.seq_num_shared_blocks[seq];
   const int len = p.seq_lens[seq] - (first << p.block_size_log2);
   TailRange t{p.block_table + seq * p.bt_stride + first, 0, 0};
-  if (len <= 0) return t;
+  const int lo = window_edge(p, seq, first);
+  if (len <= lo) return t;
   constexpr int kT = TileShape<D>::kTokens;
-  const int per = ((len + num_splits - 1) / num_splits + kT - 1) / kT * kT;
-  t.t_begin = min(len, split * per);
+  const int per = ((len - lo + num_splits - 1) / num_splits + kT - 1) / kT * kT;
+  t.t_begin = min(len, lo + split * per);
   t.t_end = min(len, t.t_begin + per);
   return t;
 }
@@ -86,8 +96,10 @@ __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>&
     const int j = r / p.chunk_heads, hh = ht * p.chunk_heads + r % p.chunk_heads;
     const bool valid = r < num_rows && hh < p.group;
     const int h = kv_head * p.group + hh;
-    sm.row_q[r] = valid ? p.node_seq_ids[p_lo + j] * p.q_stride_seq + h * p.q_stride_head : -1;
+    const int seq = valid ? p.node_seq_ids[p_lo + j] : 0;
+    sm.row_q[r] = valid ? seq * p.q_stride_seq + h * p.q_stride_head : -1;
     sm.row_out[r] = valid ? int(cs.chunk_slot(split, p_lo + j) * p.num_heads + h) : -1;
+    sm.row_lo[r] = valid ? window_edge(p, seq, p.node_first_block[n]) : 0;
   }
   __syncthreads();
   const int b0 = p.node_block_indptr[n];
@@ -223,8 +235,8 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
 }
 
 // Partial-kernel CTAs one SM runs at once in stages of `tokens` (partial_stage_tokens),
-// registers and shared memory both counted (ptxas, sm_90a, head 128: 242 registers and 87,808
-// bytes of smem allow 2 in the default stage, the compact stage's 168 and 53,760 allow 3), 0 if
+// registers and shared memory both counted (ptxas, sm_90a, head 128: 242 registers and 88,064
+// bytes of smem allow 2 in the default stage, the compact stage's 168 and 54,016 allow 3), 0 if
 // the runtime cannot tell. The split choice (tpp_host.h) sizes its waves by it.
 template <typename T, int D>
 int tpp_partial_ctas_per_sm(int tokens) {
@@ -246,9 +258,11 @@ int tpp_partial_ctas_per_sm(int tokens) {
 // the two compile in parallel), `extern` for every other includer; the signatures live here only.
 #define CHUNKATTN_TPP_INSTANCES(PREFIX, T)                                                        \
   PREFIX template cudaError_t launch_tpp_decode<T, 64>(const TppParams&, cudaStream_t, bool);  \
+  PREFIX template cudaError_t launch_tpp_decode<T, 96>(const TppParams&, cudaStream_t, bool);  \
   PREFIX template cudaError_t launch_tpp_decode<T, 128>(const TppParams&, cudaStream_t, bool); \
   PREFIX template cudaError_t launch_tpp_decode<T, 256>(const TppParams&, cudaStream_t, bool); \
   PREFIX template int tpp_partial_ctas_per_sm<T, 64>(int);                                      \
+  PREFIX template int tpp_partial_ctas_per_sm<T, 96>(int);                                      \
   PREFIX template int tpp_partial_ctas_per_sm<T, 128>(int);                                     \
   PREFIX template int tpp_partial_ctas_per_sm<T, 256>(int);
 #ifndef CHUNKATTN_INSTANTIATE

@@ -36,7 +36,7 @@ struct TileShape {
   static constexpr int kLd = D + 8;       // padded smem row: 8 ldmatrix rows hit distinct banks
   static constexpr int kStages = 2;       // cp.async double buffering
   static constexpr int kMaxParts = kTokens / 16;  // a KV part needs >= 16 tokens (one PV k-step)
-  static constexpr int kMetaBytes = kMaxRows * (8 + 4);
+  static constexpr int kMetaBytes = kMaxRows * (8 + 4 + 4);  // Smem's row_q, row_out, row_lo
   static constexpr int kKvBytes = kStages * 2 * kTokens * kLd * 2;
   static constexpr int kRedBytes = (kWarps - 1) * 16 * (D + 2) * 4;
   static_assert(kRedBytes <= kKvBytes, "KV-part merge buffer aliases the KV stages");
@@ -49,11 +49,12 @@ struct TileShape {
 };
 
 // Dynamic shared memory of the partial kernel (the larger launch) for a head size, in its
-// default stage (the compact one needs less). Head 256 needs 102144 bytes, over the 99 KB
+// default stage (the compact one needs less). Head 256 needs 102400 bytes, over the 99 KB
 // (101376) a block gets on sm_86/89/120 (A10, L4, RTX 30-50): vllm_chunkattn/ops/cuda_fit.py
 // refuses that pairing when vLLM selects the backend.
 constexpr int tpp_partial_smem_bytes(int head_size) {
   return head_size == 64    ? TileShape<64>::smem_bytes(kMaxRows)
+         : head_size == 96  ? TileShape<96>::smem_bytes(kMaxRows)
          : head_size == 128 ? TileShape<128>::smem_bytes(kMaxRows)
                             : TileShape<256>::smem_bytes(kMaxRows);
 }
@@ -86,8 +87,8 @@ constexpr int partial_min_ctas(int head_size, int tokens) {
   return tokens < default_stage_tokens(head_size) ? 3 : 2;
 }
 
-// The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 128 / 256; the op
-// checked the head size): calls f(DtypeTag<T>{}, std::integral_constant<int, D>{}).
+// The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 96 / 128 / 256; the
+// op checked the head size): calls f(DtypeTag<T>{}, std::integral_constant<int, D>{}).
 template <typename T>
 struct DtypeTag {
   using type = T;
@@ -95,9 +96,11 @@ struct DtypeTag {
 template <typename F>
 decltype(auto) with_tpp_types(bool half, int head_size, F&& f) {
   using I64 = std::integral_constant<int, 64>;
+  using I96 = std::integral_constant<int, 96>;
   using I128 = std::integral_constant<int, 128>;
   using I256 = std::integral_constant<int, 256>;
   if (head_size == 64) return half ? f(DtypeTag<__half>{}, I64{}) : f(DtypeTag<__nv_bfloat16>{}, I64{});
+  if (head_size == 96) return half ? f(DtypeTag<__half>{}, I96{}) : f(DtypeTag<__nv_bfloat16>{}, I96{});
   if (head_size == 128) return half ? f(DtypeTag<__half>{}, I128{}) : f(DtypeTag<__nv_bfloat16>{}, I128{});
   return half ? f(DtypeTag<__half>{}, I256{}) : f(DtypeTag<__nv_bfloat16>{}, I256{});
 }
@@ -184,7 +187,15 @@ struct TppParams : PlanArrays {
   int64_t lse_stride_seq, lse_stride_head;
   int num_seqs, num_nodes, num_partials, num_heads, num_kv_heads, group;
   int block_size_log2;
-  float scale_log2;  // softmax scale * log2(e)
+  // What a raw score q.k is multiplied by to be a log2-domain logit: softmax scale * log2(e);
+  // 1 with a soft cap, whose tanh (soft_cap_log2 * tanh(q.k * soft_cap_in)) makes the logit.
+  float scale_log2;
+  // The layer's attention variant (csrc/tpp_schema.h). sliding_window: 0 = none; a row of
+  // seq_len L sees positions [L - sliding_window, L). soft_cap_log2 = soft_cap * log2(e) (0 =
+  // none), soft_cap_in = scale / soft_cap. sinks: fp32 [num_heads], natural log, nullable.
+  int sliding_window;
+  float soft_cap_log2, soft_cap_in;
+  const float* sinks;
   // Work decomposition, chosen on the host from host ints only (graph-safe).
   int chunk_splits, seq_splits;
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;

@@ -2,8 +2,8 @@
 // through the SIMT emulation, for tests on machines without a GPU. Same argument checks, same
 // TppParams and split choice (tpp_host.h), same launch shapes and the same kernel source
 // (tpp_kernels.cuh); only the GPU is stood in for (simt_emu.h). Extra arguments: the resident
-// CTAs the split choice sizes its waves for (an H100 at head 128: 132 SMs x 2), the emulation's
-// seed and its cp.async landing mode. tpp_work: the decomposition alone (make_tpp_work).
+// CTAs the split choice sizes its waves for (default: an H100 at head 128, 132 SMs x 2), the
+// emulation's seed and its cp.async landing mode. tpp_work: the decomposition alone (make_tpp_work).
 // Test-only: built by vllm_chunkattn.ops.jit_build.load_simt_emulation, never by setup.py.
 #define CHUNKATTN_SIMT_EMULATION
 #include <torch/library.h>
@@ -96,7 +96,7 @@ int64_t partial_smem_bytes(int64_t head_size) { return tpp_partial_smem_bytes(in
 // seq_heads, seq_head_tiles, chunk_splits, seq_splits, chunk_ctas, device_splits].
 std::vector<int64_t> tpp_work(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                               int64_t num_nodes, int64_t num_partials, int64_t node_blocks, int64_t table_width,
-                              int64_t slots, int64_t resident_ctas) {
+                              int64_t slots, int64_t resident_ctas, int64_t sliding_window) {
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && block_size > 0 && slots >= num_partials,
               "chunkattn_simt.tpp_work: sizes no call would pass");
   TppSizes s{};
@@ -106,7 +106,7 @@ std::vector<int64_t> tpp_work(int64_t num_seqs, int64_t num_heads, int64_t num_k
   s.block_size = block_size;
   s.num_nodes = num_nodes;
   s.num_partials = num_partials;
-  const TppWork w = make_tpp_work(s, node_blocks, table_width, slots, resident_ctas);
+  const TppWork w = make_tpp_work(s, node_blocks, table_width, slots, resident_ctas, sliding_window);
   return {w.chunk_heads, w.chunk_head_tiles, w.chunk_seqs, w.num_windows,
           w.seq_heads, w.seq_head_tiles, w.chunk_splits, w.seq_splits, w.chunk_ctas,
           w.device_splits};
@@ -116,12 +116,13 @@ std::vector<int64_t> tpp_work(int64_t num_seqs, int64_t num_heads, int64_t num_k
 }  // namespace chunkattn
 
 TORCH_LIBRARY(chunkattn_simt, m) {
-  m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS ", int resident_ctas, int seed, bool cp_async_lands_at_issue) -> ()");
+  m.def("tpp_decode(" CHUNKATTN_TPP_DECODE_ARGS
+        ", int resident_ctas=264, int seed=0, bool cp_async_lands_at_issue=False) -> ()");
   // No tensors: catch-all kernels.
   m.def("partial_smem_bytes(int head_size) -> int", &chunkattn::partial_smem_bytes);
   m.def("last_launch() -> int[]", &chunkattn::last_launch);
   m.def("tpp_work(int num_seqs, int num_heads, int num_kv_heads, int block_size, int num_nodes, int num_partials, "
-        "int node_blocks, int table_width, int slots, int resident_ctas) -> int[]",
+        "int node_blocks, int table_width, int slots, int resident_ctas, int sliding_window=0) -> int[]",
         &chunkattn::tpp_work);
 }
 TORCH_LIBRARY_IMPL(chunkattn_simt, CPU, m) {

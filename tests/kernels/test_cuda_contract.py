@@ -184,7 +184,7 @@ def _validate_on_gpu(monkeypatch, capability, head_size, smem_optin):
 H100_SMEM, L4_SMEM = 232448, 101376   # cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 def test_hopper_takes_every_head_size(monkeypatch, head_size):
     assert _validate_on_gpu(monkeypatch, (9, 0), head_size, H100_SMEM) == []
 
@@ -192,7 +192,7 @@ def test_hopper_takes_every_head_size(monkeypatch, head_size):
 def test_head_256_is_refused_where_a_block_gets_99_kb(monkeypatch):
     assert _validate_on_gpu(monkeypatch, (8, 9), 128, L4_SMEM) == []
     reasons = _validate_on_gpu(monkeypatch, (8, 9), 256, L4_SMEM)
-    assert reasons == ["head_size 256 needs 102144 bytes of shared memory per block in the CUDA "
+    assert reasons == ["head_size 256 needs 102400 bytes of shared memory per block in the CUDA "
                        "TPP kernel, this GPU (8.9) allows 101376"]
 
 

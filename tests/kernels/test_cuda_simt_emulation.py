@@ -33,14 +33,16 @@ def nan_workspace(slots, num_heads, head_size):
 
 
 def run(emu, b, plan, spare_slots=0, seed=0, at_issue=False, resident_ctas=H100_RESIDENT_CTAS,
-        workspace=None):
-    """workspace: nan_workspace's tensors to run in (default: plan.num_partials + spare_slots)."""
+        workspace=None, **variant):
+    """workspace: nan_workspace's tensors to run in (default: plan.num_partials + spare_slots).
+    variant: the op's sliding_window, soft_cap, sinks."""
     num_seqs, num_heads, head_size = b.query.shape
     ws = workspace or nan_workspace(max(plan.num_partials + spare_slots, 1), num_heads, head_size)
     out = torch.full_like(b.query, float("nan"))
     lse = torch.full((num_seqs, num_heads), float("nan"))
     emu.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   *plan.tensors(), *ws, b.scale, out, lse, resident_ctas, seed, at_issue)
+                   *plan.tensors(), *ws, b.scale, out, lse, **variant,
+                   resident_ctas=resident_ctas, seed=seed, cp_async_lands_at_issue=at_issue)
     return out, lse
 
 
@@ -61,7 +63,7 @@ def test_tree_specs(emu, spec, dtype):
 
 
 @pytest.mark.parametrize("at_issue", [False, True])
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_long_runs_turn_the_pipeline_over(emu, dtype, head_size, at_issue):
     b = batch("long", seed=1, num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
@@ -128,7 +130,7 @@ def test_empty_plan(emu):
     assert_matches_reference(b, plan, *run(emu, b, plan))
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 def test_kv_no_row_holds_is_never_let_in(emu, head_size):
     """Every cache row no sequence reads holds NaN (poison_unread_kv): a stage's tokens past its
     run must land as zeros (cp.async's zero fill)."""
@@ -178,10 +180,7 @@ def test_capacity_mode_padding(emu):
                                    max_partials=cap.num_partials,
                                    max_node_blocks=cap.num_node_blocks), cap)
         out, lse = run(emu, b, plan)
-        real = TppPlan(n, exact.num_nodes, exact.num_partials, *[
-            getattr(exact, f) for f in ("node_block_indptr", "node_block_ids", "node_seq_indptr",
-                                        "node_seq_ids", "seq_partial_indptr", "seq_partial_ids",
-                                        "seq_num_shared_blocks")])
+        real = TppPlan(n, exact.num_nodes, exact.num_partials, *exact.tensors())
         b.query, b.block_table, b.seq_lens = b.query[:n], b.block_table[:n], b.seq_lens[:n]
         assert_matches_reference(b, real, out[:n], lse[:n])
         assert torch.equal(out[n:], torch.zeros_like(out[n:]))
@@ -272,8 +271,8 @@ def test_refuses_what_the_kernel_cannot_take(emu):
     b = batch("batch_1", dtype=torch.float32, head_size=64)
     with pytest.raises(RuntimeError, match="fp16/bf16"):
         run(emu, b, plan_of(b))
-    b = batch("batch_1", dtype=torch.float16, head_size=96)
-    with pytest.raises(RuntimeError, match="head_size must be 64, 128 or 256"):
+    b = batch("batch_1", dtype=torch.float16, head_size=80)
+    with pytest.raises(RuntimeError, match="head_size must be 64, 96, 128 or 256"):
         run(emu, b, plan_of(b))
 
 
@@ -312,7 +311,7 @@ def test_the_backends_shared_memory_figure_is_the_kernels(emu):
     # The backend refuses head 256 on 99 KB GPUs from cuda_fit's table (needed before any
     # build): it must be the shared memory the kernel's launch asks for, at every head size.
     from vllm_chunkattn.ops import cuda_fit
-    assert sorted(cuda_fit.PARTIAL_SMEM_BYTES) == [64, 128, 256]
+    assert sorted(cuda_fit.PARTIAL_SMEM_BYTES) == [64, 96, 128, 256]
     for head_size, need in cuda_fit.PARTIAL_SMEM_BYTES.items():
         assert need == emu.partial_smem_bytes(head_size)
 
@@ -332,20 +331,20 @@ def test_a_final_cta_merges_its_slots_in_batches(emu, splits, monkeypatch, spec,
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
 
 
-# Final-launch smem by hand (tpp_params.cuh TileShape::smem_bytes(16)): 768 bytes of row meta,
-# 16 Q rows of (D + 8) halves, 2 stages x (K + V) x tokens x (D + 8) halves.
-FINAL_SMEM = {(64, 64): 768 + 16 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 39,936
-              (64, 32): 768 + 16 * 72 * 2 + 2 * 2 * 32 * 72 * 2,      # 21,504
-              (128, 64): 768 + 16 * 136 * 2 + 2 * 2 * 64 * 136 * 2,   # 74,752
-              (128, 32): 768 + 16 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 39,936
+# Final-launch smem by hand (tpp_params.cuh TileShape::smem_bytes(16)): 1024 bytes of row meta
+# (64 rows x (8 + 4 + 4)), 16 Q rows of (D + 8) halves, 2 stages x (K + V) x tokens x (D + 8) halves.
+FINAL_SMEM = {(64, 64): 1024 + 16 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 40,192
+              (64, 32): 1024 + 16 * 72 * 2 + 2 * 2 * 32 * 72 * 2,      # 21,760
+              (128, 64): 1024 + 16 * 136 * 2 + 2 * 2 * 64 * 136 * 2,   # 75,008
+              (128, 32): 1024 + 16 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 40,192
 
 
-# Partial-launch smem by hand (TileShape::smem_bytes(64)): 768 bytes of row meta, 64 Q rows of
+# Partial-launch smem by hand (TileShape::smem_bytes(64)): 1024 bytes of row meta, 64 Q rows of
 # (D + 8) halves, 2 stages x (K + V) x tokens x (D + 8) halves.
-PARTIAL_SMEM = {(64, 64): 768 + 64 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 46,848
-                (64, 32): 768 + 64 * 72 * 2 + 2 * 2 * 32 * 72 * 2,      # 28,416
-                (128, 64): 768 + 64 * 136 * 2 + 2 * 2 * 64 * 136 * 2,   # 87,808
-                (128, 32): 768 + 64 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 53,760
+PARTIAL_SMEM = {(64, 64): 1024 + 64 * 72 * 2 + 2 * 2 * 64 * 72 * 2,      # 47,104
+                (64, 32): 1024 + 64 * 72 * 2 + 2 * 2 * 32 * 72 * 2,      # 28,672
+                (128, 64): 1024 + 64 * 136 * 2 + 2 * 2 * 64 * 136 * 2,   # 88,064
+                (128, 32): 1024 + 64 * 136 * 2 + 2 * 2 * 32 * 136 * 2}   # 54,016
 
 @pytest.mark.parametrize("at_issue", [False, True])
 @pytest.mark.parametrize("launch,case", COMPACT_STAGE_CASES)
@@ -388,7 +387,7 @@ def test_the_64_token_final_stage_merges_slots_in_batches(emu, splits, monkeypat
     assert_matches_reference(b, plan, *run(emu, b, plan, spare_slots=spare))
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 def test_kv_addresses_in_32_or_64_bits_read_the_same_tokens(emu, monkeypatch, head_size):
     # load_kv_stage's two address paths (TppParams::kv_offsets_i32, the last launch's 5th
     # number): one int32 offset a token for K and V where their strides are equal and every
@@ -414,8 +413,8 @@ def test_head_256_has_one_stage_whatever_the_knobs(emu, monkeypatch):
     b = batch("system_prompts", seed=2, num_heads=8, num_kv_heads=2, head_size=256,
               block_size=16, dtype=torch.float16)
     plan = plan_of(b)
-    want_final = 768 + 16 * 264 * 2 + 2 * 2 * 32 * 264 * 2
-    want_partial = 768 + 64 * 264 * 2 + 2 * 2 * 32 * 264 * 2
+    want_final = 1024 + 16 * 264 * 2 + 2 * 2 * 32 * 264 * 2
+    want_partial = 1024 + 64 * 264 * 2 + 2 * 2 * 32 * 264 * 2
     for knob in ("64", "32", "0"):
         monkeypatch.setenv("CHUNKATTN_FINAL_STAGE_TOKENS", knob)
         monkeypatch.setenv("CHUNKATTN_PARTIAL_STAGE_TOKENS", knob)

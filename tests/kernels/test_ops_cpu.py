@@ -188,8 +188,8 @@ def test_rejects_bad_arguments():
     b.key_cache = b.key_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)[..., ::2]
     with pytest.raises(RuntimeError, match="key_cache"):
         run_native(b, plan)
-    b = random_tree_batch(0, **TREE_SPECS["batch_1"], head_size=96, layout="flash")
-    with pytest.raises(RuntimeError, match="head_size 96"):
+    b = random_tree_batch(0, **TREE_SPECS["batch_1"], head_size=72, layout="flash")
+    with pytest.raises(RuntimeError, match="head_size 72"):
         run_native(b, plan)
     b = random_tree_batch(0, **TREE_SPECS["batch_1"], layout="flash")
     b.block_table = b.block_table.clone()

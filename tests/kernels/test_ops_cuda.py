@@ -1,6 +1,7 @@
 """The CUDA TPP kernel (csrc/cuda) against tpp_decode_reference: random trees, fp16/bf16, head
 sizes, GQA, block sizes, forced KV splits, NaN-filled out, batch order, empty plan, CUDA graphs
-(exact and capacity mode), opcheck. Skipped without a CUDA GPU."""
+(exact and capacity mode), opcheck. Skipped without a CUDA GPU. The attention variants (window,
+soft cap, sinks): test_ops_cuda_variants.py."""
 from __future__ import annotations
 
 import pytest
@@ -45,13 +46,14 @@ def workspace(num_slots, num_heads, head_size):
             torch.full((num_slots, num_heads), float("nan"), device="cuda"))
 
 
-def run(ops, b, plan, spare_slots=0, out=None, lse=None):
+def run(ops, b, plan, spare_slots=0, out=None, lse=None, **variant):
+    """variant: the op's sliding_window, soft_cap, sinks."""
     num_seqs, num_heads, head_size = b.query.shape
     ws = workspace(plan.node_seq_ids.numel() + spare_slots, num_heads, head_size)
     out = torch.full_like(b.query, float("nan")) if out is None else out
     lse = torch.full((num_seqs, num_heads), float("nan"), device="cuda") if lse is None else lse
     ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   *plan.tensors(), *ws, b.scale, out, lse)
+                   *plan.tensors(), *ws, b.scale, out, lse, **variant)
     return out, lse
 
 
@@ -86,7 +88,7 @@ def test_shared_nodes_alone(ops, spec):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("spec", ["system_prompts", "deep_tree"])
@@ -106,7 +108,7 @@ def test_wide_groups(ops, heads):
     check(b, plan, *run(ops, b, plan))
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_long_runs_turn_the_pipeline_over(ops, dtype, head_size):
     # 2-6 smem stages per CTA: the cp.async double buffer is refilled while other warps may
@@ -169,7 +171,7 @@ def test_each_launch_in_compact_stages(ops, splits, monkeypatch, launch, case, d
         assert kernels and all(f", {head_size}, {tokens}>" in n for n in kernels), kernels
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 def test_kv_addresses_in_32_or_64_bits_read_the_same_tokens(ops, monkeypatch, head_size):
     """load_kv_stage's two address paths on the GPU: one int32 offset a token for K and V (the
     flash layout; V in a tensor of its own with K's strides), 64-bit offsets where V's strides
@@ -243,7 +245,7 @@ def test_long_nodes_default_heuristic(ops):
     check(b, plan, *run(ops, b, plan, spare_slots=0))
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 def test_kv_no_row_holds_is_never_let_in(ops, head_size):
     """Every cache row no sequence reads holds NaN (poison_unread_kv): a stage's tokens past its
     run must land as zeros (cp.async's zero fill)."""
@@ -277,6 +279,17 @@ def test_rejects_fp32(ops):
         run(ops, b, plan_of(b))
 
 
+def replay_captured(step, query, out):
+    """Captures step() in a CUDA graph (after a warm-up outside the capture), then replays it on
+    new query values with out filled with NaN: what the replay writes is all that is left."""
+    from vllm_chunkattn.bench.timing import cuda_graph
+    replay = cuda_graph(step)
+    query.copy_(torch.randn_like(query))
+    out.fill_(float("nan"))
+    replay()
+    torch.cuda.synchronize()
+
+
 def test_cuda_graph_replay(ops):
     b = make_batch("system_prompts", seed=6, num_heads=32, num_kv_heads=8, head_size=128,
                    dtype=torch.bfloat16)
@@ -289,18 +302,7 @@ def test_cuda_graph_replay(ops):
     def step():
         ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
                        *plan.tensors(), *ws, b.scale, out, lse)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()                                        # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    b.query.copy_(torch.randn_like(b.query))
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    replay_captured(step, b.query, out)
     check(b, plan, out, lse)
 
 

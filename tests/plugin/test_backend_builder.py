@@ -288,7 +288,7 @@ def _rows(plan, rows):
     return TppPlan(rows, plan.num_nodes, plan.num_partials, plan.node_block_indptr,
                    plan.node_block_ids, plan.node_seq_indptr, plan.node_seq_ids,
                    plan.seq_partial_indptr[:rows + 1], plan.seq_partial_ids,
-                   plan.seq_num_shared_blocks[:rows])
+                   plan.seq_num_shared_blocks[:rows], plan.node_first_block)
 
 
 @pytest.mark.gpu

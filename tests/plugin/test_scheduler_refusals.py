@@ -46,11 +46,24 @@ def test_full_attention_gets_the_tree(vllm_config):
 @pytest.mark.parametrize("spec", [SlidingWindowSpec(sliding_window=128, **SPEC),
                                   FullAttentionSpec(sliding_window=128, **SPEC)],
                          ids=["SlidingWindowSpec", "FullAttentionSpec-with-window"])
-def test_a_single_sliding_window_group_is_refused(vllm_config, spec):
-    """Finding 4: one KV cache group of sliding-window layers passed the group-count check."""
-    with pytest.raises(ValueError, match=r"does not support sliding window attention "
-                                         r"\(window 128\)"):
-        scheduler(vllm_config, spec)
+def test_a_single_windowed_group_gets_the_tree(spec):
+    """Windowed layers in one group (every layer slides, or vLLM's unified hybrid spec): the
+    tree keeps every token's KV and the kernel masks what each window does not see."""
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="float32",
+                                                 max_model_len=2016),
+                        cache_config=CacheConfig(block_size=BS))
+    config.cache_config.num_gpu_blocks = 64
+    sched = scheduler(config, spec)
+    assert isinstance(sched.kv_cache_manager, ChunkTreeKVCacheManager)
+
+
+def test_a_windowed_group_that_cannot_hold_max_model_len_is_refused(vllm_config):
+    """vLLM sizes a sliding-window group for the window only; the tree needs max_model_len."""
+    with pytest.raises(ValueError, match=r"KV cache holds 2016 tokens, fewer than "
+                                         r"--max-model-len 8192"):
+        scheduler(vllm_config, SlidingWindowSpec(sliding_window=128, **SPEC))
+    # A full-attention group vLLM itself sized for max_model_len: no such check.
+    scheduler(vllm_config, FullAttentionSpec(sliding_window=128, **SPEC))
 
 
 def test_other_single_group_kinds_are_refused(vllm_config):

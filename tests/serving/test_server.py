@@ -208,13 +208,18 @@ def test_a_config_without_a_model_is_checked_for_what_it_has():
 
 def test_the_models_we_serve_are_not_refused(tmp_path):
     """No refusal where the layers would accept: the Qwen2 configs carry a sliding_window that
-    their use_sliding_window=false turns off; each gets the tree as its KV cache manager."""
+    their use_sliding_window=false turns off; each gets the tree as its KV cache manager, and
+    the sliding-window families (gpt-oss, Gemma 3) one KV cache group for all layers."""
     from vllm_chunkattn.bench.model_shapes import SHAPES, make_shape_model
     from vllm_chunkattn.plugin import ASYNC_SCHEDULER_PATH, SCHEDULER_PATH
     models = [tiny_model()] + [make_shape_model(name, tmp_path / name) for name in SHAPES]
     for model in models:
         config = _engine_config(model, attention_backend="CUSTOM")
         assert config.scheduler_config.scheduler_cls in (SCHEDULER_PATH, ASYNC_SCHEDULER_PATH)
+        slides = model.name in ("gpt-oss-20b", "gemma-3-1b")
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is slides, model.name
+        if slides:        # stock keeps its hybrid manager
+            assert _engine_config(model).scheduler_config.disable_hybrid_kv_cache_manager is False
 
 
 def test_mla_is_refused_by_backend_selection():

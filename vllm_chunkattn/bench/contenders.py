@@ -3,6 +3,8 @@ plan and launch built beforehand), per-sequence SDPA, vLLM's CPU_ATTN, FlashInfe
 and what every bench reports beside them (the machine, an error's reason, attention FLOPs)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -14,14 +16,40 @@ from .kv_pool import Batch
 from .timing import Timer
 
 
-def ours(bt: Batch, plan, workspace: TppWorkspace | None = None):
+@dataclass(frozen=True)
+class Variant:
+    """The attention variant of the timed layer: a sliding window (0: none), a logit soft-cap
+    (0: none), attention sinks (one fixed random logit per head)."""
+    sliding_window: int = 0
+    soft_cap: float = 0.0
+    sinks: bool = False
+
+    def sink_logits(self, num_heads: int, device) -> torch.Tensor | None:
+        if not self.sinks:
+            return None
+        return torch.randn(num_heads, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def label(self) -> str:
+        parts = ([f"window {self.sliding_window}"] if self.sliding_window else []) + (
+            [f"soft-cap {self.soft_cap:g}"] if self.soft_cap else []) + (
+            ["sinks"] if self.sinks else [])
+        return ", ".join(parts) or "full causal attention"
+
+
+FULL_ATTENTION = Variant()
+
+
+def ours(bt: Batch, plan, workspace: TppWorkspace | None = None,
+         variant: Variant = FULL_ATTENTION):
     """One layer's call, as the backend makes it: the step's TppLaunch is built beforehand.
     workspace: its own TppWorkspace() unless given (graph mode: no split spares)."""
     out = torch.empty_like(bt.query)
     launch = TppLaunch(plan.to(bt.query.device), bt.block_table, bt.seq_lens, bt.query.shape[1],
                        bt.query.shape[2], bt.query.device, workspace or TppWorkspace(),
                        kernel="native")
-    return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out)
+    sinks = variant.sink_logits(bt.query.shape[1], bt.query.device)
+    return lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out, None,
+                              variant.sliding_window, variant.soft_cap, sinks)
 
 
 def plan_step(bt: Batch, block_size: int):
@@ -69,7 +97,7 @@ def sdpa_per_sequence(bt: Batch):
     return run
 
 
-def cpu_attn(bt: Batch, isa: str):
+def cpu_attn(bt: Batch, isa: str, variant: Variant = FULL_ATTENTION):
     """vLLM's CPU_ATTN decode, called as vllm/v1/attention/backends/cpu_attn.py calls it."""
     from vllm import _custom_ops as ops
     num_seqs, num_heads, head_size = bt.query.shape
@@ -80,15 +108,18 @@ def cpu_attn(bt: Batch, isa: str):
     sched = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
         seq_lens=bt.seq_lens, dtype=bt.query.dtype, query_start_loc=query_start_loc, causal=True,
-        sliding_window_size=-1, isa=isa, enable_kv_split=_vllm_split_kv())
+        sliding_window_size=variant.sliding_window or -1, isa=isa,
+        enable_kv_split=_vllm_split_kv())
     out = torch.empty_like(bt.query)
+    sinks = variant.sink_logits(num_heads, bt.query.device)
 
     def run():
         ops.cpu_attention_with_kv_cache(
             query=bt.query, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=query_start_loc, seq_lens=bt.seq_lens, scale=bt.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=bt.block_table, softcap=0,
-            scheduler_metadata=sched, s_aux=None)
+            alibi_slopes=None, sliding_window=variant.sliding_window or -1,
+            block_table=bt.block_table, softcap=variant.soft_cap, scheduler_metadata=sched,
+            s_aux=sinks)
         return out
     return run
 

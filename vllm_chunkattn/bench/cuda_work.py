@@ -25,9 +25,9 @@ TPP_WORK_FIELDS = ("chunk_heads", "chunk_head_tiles", "chunk_seqs", "num_windows
 
 def tpp_work(simt_ops, num_seqs: int, num_heads: int, num_kv_heads: int, block_size: int,
              num_nodes: int, num_partials: int, node_blocks: int, table_width: int, slots: int,
-             resident_ctas: int) -> dict:
+             resident_ctas: int, sliding_window: int = 0) -> dict:
     """The CUDA op's work decomposition (csrc/cuda/tpp_host.h, make_tpp_work) for these sizes,
     by name, from the SIMT emulation's library (torch.ops.chunkattn_simt: no GPU)."""
     return dict(zip(TPP_WORK_FIELDS, simt_ops.tpp_work(
         num_seqs, num_heads, num_kv_heads, block_size, num_nodes, num_partials, node_blocks,
-        table_width, slots, resident_ctas)))
+        table_width, slots, resident_ctas, sliding_window)))

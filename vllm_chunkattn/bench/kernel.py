@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ..plan import build_plan, empty_plan
-from .contenders import (attention_flops, cpu_attn, flashinfer_decode, host_ms, machine, ours,
-                         plan_step, sdpa_per_sequence, vllm_cpu_isa)
+from .contenders import (Variant, attention_flops, cpu_attn, flashinfer_decode, host_ms, machine,
+                         ours, plan_step, sdpa_per_sequence, vllm_cpu_isa)
 from .kv_pool import KvPool
 from .timing import Timer
 
@@ -48,9 +48,9 @@ def run_grid(args) -> list[dict]:
             bt = pool.batch(n_p, n_s, b, hq, seed=n_p + b)
             plan_ms = host_ms(plan_step(bt, block), args.reps)
             plan = build_plan(bt.block_table.cpu(), bt.seq_lens.cpu(), block)
-            contenders = {"ours": ours(bt, plan)}
+            contenders = {"ours": ours(bt, plan, variant=args.variant)}
             if device.type == "cpu":
-                contenders["cpu_attn"] = cpu_attn(bt, isa)
+                contenders["cpu_attn"] = cpu_attn(bt, isa, args.variant)
             else:
                 contenders["paged_no_prefix"] = ours(bt, empty_plan(b))
                 fi, why = (None, fi_off) if fi_off else flashinfer_decode(bt)
@@ -60,8 +60,8 @@ def run_grid(args) -> list[dict]:
                     fi_off = why
                     print(f"FlashInfer decode left out for the rest of the run: {why}",
                           flush=True)
-            if b <= args.naive_max_b or device.type == "cuda":
-                contenders["sdpa_per_seq"] = sdpa_per_sequence(bt)
+            if (b <= args.naive_max_b or device.type == "cuda") and args.variant == Variant():
+                contenders["sdpa_per_seq"] = sdpa_per_sequence(bt)     # (full attention only)
             base_name = "cpu_attn" if device.type == "cpu" else "sdpa_per_seq"
             expect = contenders["ours" if isa == "amx" else base_name]().clone()
             for name, fn in contenders.items():   # all computed the same thing, or stop
@@ -102,12 +102,16 @@ def write_results(rows, args, out_dir: Path, command: str):
     stem = f"kernel_{args.device}" + ("" if args.grid == "full" else f"_{args.grid}")
     stem += f"_{args.model_shape}" if args.model_shape else ""
     stem += "_fp32" if args.dtype == "float32" else ""
+    v = args.variant
+    stem += (f"_w{v.sliding_window}" if v.sliding_window else "") + (
+        f"_cap{v.soft_cap:g}" if v.soft_cap else "") + ("_sinks" if v.sinks else "")
     df = pd.DataFrame(rows)
     df.to_csv(out_dir / f"{stem}.csv", index=False)
     base = "cpu_attn" if args.device == "cpu" else "sdpa_per_seq"
     lines = [f"# TPP decode kernel vs {base} ({args.device})", "",
              f"Command: `{command}`", "", f"Machine: {machine()}", "",
-             f"One layer, one decode step, {args.dtype}, head_size {args.head_size}; times are "
+             f"One layer ({args.variant.label()}), one decode step, {args.dtype}, head_size "
+             f"{args.head_size}; times are "
              f"medians in ms after a warm-up, the contenders timed side by side in rounds whose "
              f"order reverses every round (ABBA; per-sequence SDPA on CPU: one call, after "
              f"them); speed-up = baseline / ours. Every sequence holds "
@@ -177,7 +181,12 @@ def main(argv=None) -> int:
     p.add_argument("--naive-max-b", type=int, default=8,
                    help="CPU: time per-sequence SDPA (seconds a call) only up to this batch, once")
     p.add_argument("--tol", type=float, default=2e-2, help="output agreement required before timing")
+    p.add_argument("--sliding-window", type=int, default=0,
+                   help="time a windowed layer: each row sees its last N keys (gpt-oss: 128)")
+    p.add_argument("--soft-cap", type=float, default=0.0, help="logit soft-cap (Gemma 2: 50)")
+    p.add_argument("--sinks", action="store_true", help="attention sinks, one logit a head (gpt-oss)")
     args = p.parse_args(argv)
+    args.variant = Variant(args.sliding_window, args.soft_cap, args.sinks)
     command = "python -m vllm_chunkattn.bench kernel " + " ".join(
         sys.argv[2:] if argv is None else argv)
     if args.grid in GPU_GRIDS:

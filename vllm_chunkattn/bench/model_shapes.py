@@ -5,8 +5,8 @@ word-level tokenizer, no weights (serve with `--load-format dummy`; bench ab/off
     python -m vllm_chunkattn.bench.model_shapes --out models llama-3.2-1b     # models/llama-3.2-1b
 
 The configs are the public ones (meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.2-1B,
-Qwen/Qwen2.5-32B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B) except the special token ids, which
-are the local tokenizer's. Its 2048 ids are fewer than the
+Qwen/Qwen2.5-32B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-0.5B, openai/gpt-oss-20b, google/gemma-3-1b-pt)
+except the special token ids, which are the local tokenizer's. Its 2048 ids are fewer than the
 config's vocab_size: the embedding keeps the real size (its cost is real), prompts use ids < 2048.
 """
 from __future__ import annotations
@@ -62,6 +62,26 @@ SHAPES: dict[str, dict] = {
         "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
         "sliding_window": 32768, "max_window_layers": 24},
 }
+# Sliding-window families: their attention shapes for `bench kernel` (with --sliding-window and
+# --sinks for the windowed layers).
+SHAPES["gpt-oss-20b"] = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "num_local_experts": 32,
+    "num_experts_per_tok": 4, "vocab_size": 201088, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096,
+                        "rope_theta": 150000.0},
+    "torch_dtype": "bfloat16"}
+SHAPES["gemma-3-1b"] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+    "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 512, "vocab_size": 262144, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "bfloat16"}
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 

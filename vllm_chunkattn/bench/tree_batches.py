@@ -162,14 +162,15 @@ TC_TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1
 TC_LSE_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=5e-3, rtol=5e-3)}
 
 
-def poison_unread_kv(b: TreeBatch) -> int:
+def poison_unread_kv(b: TreeBatch, sliding_window: int = 0) -> int:
     """Fills with NaN every KV cache row no sequence of `b` reads (the null block 0, unused
-    blocks, each last block past its sequence's length); the reference is unchanged, and a kernel
-    that lets any of them in (a stage's tokens past its run not zero-filled: a masked score still
-    multiplies its V row, 0 x NaN = NaN) fails it. Returns the rows filled."""
+    blocks, each last block past its sequence's length, and with a sliding window the rows
+    before every reader's window); the reference is unchanged, and a kernel that lets any of them
+    in (a stage's tokens past its run not zero-filled, or KV no row of a CTA sees loaded: a
+    masked score still multiplies its V row, 0 x NaN = NaN) fails it. Returns the rows filled."""
     read = torch.zeros(b.key_cache.shape[:2], dtype=torch.bool)      # [block, row in block]
     for row, n in zip(b.block_table.tolist(), b.seq_lens.tolist()):
-        t = torch.arange(n)
+        t = torch.arange(max(0, n - sliding_window) if sliding_window > 0 else 0, n)
         read[torch.tensor(row)[t // b.block_size], t % b.block_size] = True
     unread = (~read).to(b.key_cache.device)
     b.key_cache[unread] = float("nan")

@@ -15,7 +15,7 @@ NEEDS_CAPABILITY = (f"compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[
 # Dynamic shared memory per block of the partial (chunk-first) kernel, the larger launch, by head
 # size: csrc/cuda/tpp_params.cuh's tpp_partial_smem_bytes, which is not built before selection;
 # tests/kernels/test_cuda_simt_emulation.py checks these against it.
-PARTIAL_SMEM_BYTES = {64: 46848, 128: 87808, 256: 102144}
+PARTIAL_SMEM_BYTES = {64: 47104, 96: 67584, 128: 88064, 256: 102400}
 
 
 def refusal(capability: tuple[int, int], head_size: int, smem_per_block_optin: int) -> str | None:

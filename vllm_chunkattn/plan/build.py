@@ -147,7 +147,8 @@ def _plan_from_lcp(order, srt, lcp, num_seqs: int, min_sharers: int,
     return TppPlan(num_seqs, len(nodes), len(node_seq_ids),
                    _as_int32(node_block_indptr), _as_int32(node_block_ids),
                    _as_int32(node_seq_indptr), _as_int32(node_seq_ids),
-                   _as_int32(seq_partial_indptr), _as_int32(seq_partial_ids), _as_int32(shared))
+                   _as_int32(seq_partial_indptr), _as_int32(seq_partial_ids), _as_int32(shared),
+                   _as_int32(lo))
 
 
 def _concat_ranges(starts: np.ndarray, indptr: np.ndarray) -> np.ndarray:

@@ -42,9 +42,9 @@ class PlanCapacity:
 
     @property
     def num_ints(self) -> int:
-        """int32 elements of a padded plan's seven arrays together."""
+        """int32 elements of a padded plan's eight arrays together."""
         return (2 * (self.num_nodes + 1) + self.num_node_blocks + 2 * self.num_partials
-                + 2 * self.num_seqs + 1)
+                + 2 * self.num_seqs + 1 + self.num_nodes)
 
 
 def pad_plan(plan: TppPlan, cap: PlanCapacity) -> TppPlan:
@@ -67,4 +67,5 @@ def pad_plan(plan: TppPlan, cap: PlanCapacity) -> TppPlan:
                    _as_int32(pad(plan.node_seq_ids, cap.num_partials, 0)),
                    plan.seq_partial_indptr,
                    _as_int32(pad(plan.seq_partial_ids, cap.num_partials, 0)),
-                   plan.seq_num_shared_blocks)
+                   plan.seq_num_shared_blocks,
+                   _as_int32(pad(plan.node_first_block, cap.num_nodes, 0)))

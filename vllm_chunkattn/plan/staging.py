@@ -1,6 +1,6 @@
 """PlanStaging: a host-built TppPlan copied into persistent device buffers without a host sync.
 
-Per upload, the plan's seven int32 arrays are packed into one pinned host slot and sent with one
+Per upload, the plan's eight int32 arrays are packed into one pinned host slot and sent with one
 non_blocking copy on the current stream into one device buffer; the returned plan's tensors are
 views of that buffer. Nothing waits for the device:
   - the copy is stream-ordered after the kernels that read the previous plan from the same buffer;

@@ -37,6 +37,9 @@ class TppPlan:
     seq_partial_indptr:  [num_seqs + 1]    row i merges partials seq_partial_ids[indptr[i]:indptr[i+1]]
     seq_partial_ids:     [num_partials]
     seq_num_shared_blocks: [num_seqs]      first private column of block_table for row i
+    node_first_block:    [num_nodes]       the block table column node n starts at, the same in
+                                           every sharer (its depth in the tree): where a sliding
+                                           window's edge falls inside the node
     """
 
     num_seqs: int
@@ -49,14 +52,16 @@ class TppPlan:
     seq_partial_indptr: torch.Tensor
     seq_partial_ids: torch.Tensor
     seq_num_shared_blocks: torch.Tensor
+    node_first_block: torch.Tensor
 
     # The plan's tensors in the order the op takes them (csrc/tpp_schema.h): the one place
     # Python writes that list (the op call, its host check, the staging buffer, capacity padding).
     TENSORS = ("node_block_indptr", "node_block_ids", "node_seq_indptr", "node_seq_ids",
-               "seq_partial_indptr", "seq_partial_ids", "seq_num_shared_blocks")
+               "seq_partial_indptr", "seq_partial_ids", "seq_num_shared_blocks",
+               "node_first_block")
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The seven CSR tensors, in the op's argument order."""
+        """The eight plan tensors, in the op's argument order."""
         return tuple(getattr(self, name) for name in self.TENSORS)
 
     @property
@@ -86,4 +91,5 @@ def empty_plan(num_seqs: int) -> TppPlan:
     """No sharing: every row is all private (plain paged decode)."""
     z1 = np.zeros(1, np.int32)
     return TppPlan(num_seqs, 0, 0, _as_int32(z1), _as_int32([]), _as_int32(z1), _as_int32([]),
-                   _as_int32(np.zeros(num_seqs + 1)), _as_int32([]), _as_int32(np.zeros(num_seqs)))
+                   _as_int32(np.zeros(num_seqs + 1)), _as_int32([]), _as_int32(np.zeros(num_seqs)),
+                   _as_int32([]))

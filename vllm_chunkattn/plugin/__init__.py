@@ -102,6 +102,13 @@ def _use_tree_scheduler_with_custom_backend() -> None:
             return
         if reasons := support.tree_config_refusals(vllm_config):
             raise support.tree_refusal(reasons)
+        if support.has_sliding_layers(vllm_config):
+            # The tree manages one KV cache group: windowed and full layers in one, as vLLM's
+            # own --disable-hybrid-kv-cache-manager makes it (resolved after this hook).
+            if sched.disable_hybrid_kv_cache_manager is False:
+                raise support.tree_refusal(["the hybrid KV cache manager "
+                                            "(--no-disable-hybrid-kv-cache-manager)"])
+            sched.disable_hybrid_kv_cache_manager = True
         sched.scheduler_cls = ASYNC_SCHEDULER_PATH if sched.async_scheduling else SCHEDULER_PATH
 
     check_and_update_config._chunkattn_wrapped = True

