@@ -59,6 +59,9 @@ struct TppArgs {
   int64_t sliding_window;
   double soft_cap;
   const std::optional<at::Tensor>& sinks;  // fp32 [num_heads]
+  // fp8 KV caches: K = k_scale * key_cache, V = v_scale * value_cache (tpp_schema.h).
+  double k_scale;
+  double v_scale;
 
   // f(tensor, its argument name) for every tensor of the call (lse where given), in the schema's
   // order.
@@ -100,7 +103,7 @@ void tpp_decode_entry(const at::Tensor& query, const at::Tensor& key_cache, cons
                       const at::Tensor& partial_o, const at::Tensor& partial_m, const at::Tensor& partial_l,
                       double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse,
                       int64_t sliding_window, double soft_cap, const std::optional<at::Tensor>& sinks,
-                      Extra... extra) {
+                      double k_scale, double v_scale, Extra... extra) {
   Impl(TppArgs{query,
                key_cache,
                value_cache,
@@ -114,7 +117,9 @@ void tpp_decode_entry(const at::Tensor& query, const at::Tensor& key_cache, cons
                lse,
                sliding_window,
                soft_cap,
-               sinks},
+               sinks,
+               k_scale,
+               v_scale},
        extra...);
 }
 

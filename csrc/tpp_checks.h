@@ -73,13 +73,17 @@ inline TppSizes check_tpp_args(const TppArgs& a) {
   TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, "tpp_decode: num_heads ", s.num_heads,
               " must be a multiple of num_kv_heads ", s.num_kv_heads);
   auto is_float = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
+  auto is_fp8 = [](at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; };
   for (const at::Tensor* t : {&query, &a.out})
     TORCH_CHECK(is_float(t->scalar_type()),
                 "tpp_decode: query and out must be float32, float16 or bfloat16, got ", t->scalar_type());
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "tpp_decode: value_cache dtype ",
               value_cache.scalar_type(), " != key_cache dtype ", key_cache.scalar_type());
-  TORCH_CHECK(is_float(key_cache.scalar_type()),
-              "tpp_decode: key_cache dtype must be float32, float16 or bfloat16, got ", key_cache.scalar_type());
+  TORCH_CHECK(is_float(key_cache.scalar_type()) || is_fp8(key_cache.scalar_type()),
+              "tpp_decode: key_cache dtype must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ",
+              key_cache.scalar_type());
+  TORCH_CHECK(a.k_scale > 0 && std::isfinite(a.k_scale) && a.v_scale > 0 && std::isfinite(a.v_scale),
+              "tpp_decode: k_scale and v_scale must be finite and > 0, got ", a.k_scale, " and ", a.v_scale);
   TORCH_CHECK(query.stride(2) == 1, "tpp_decode: query must be dense in head_size");
   TORCH_CHECK(a.out.sizes() == query.sizes() && a.out.stride(2) == 1,
               "tpp_decode: out must be [num_seqs, num_heads, head_size] dense in head_size, got ", a.out.sizes());

@@ -57,17 +57,18 @@ class TppLaunch:
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             scale: float, out: torch.Tensor, lse: torch.Tensor | None = None,
             sliding_window: int = 0, soft_cap: float = 0.0,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
+            sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         if self.ops is None:
             _, l = tpp_decode_reference(query, key_cache, value_cache, self.block_table,
                                         self.seq_lens, self.plan, scale, out=out, return_lse=True,
                                         sliding_window=sliding_window, soft_cap=soft_cap,
-                                        sinks=sinks)
+                                        sinks=sinks, k_scale=k_scale, v_scale=v_scale)
             if lse is not None:
                 lse.copy_(l)
             return out
         self.ops.tpp_decode(query, key_cache, value_cache, *self.plan_args, scale, out, lse,
-                            sliding_window, soft_cap, sinks)
+                            sliding_window, soft_cap, sinks, k_scale, v_scale)
         return out
 
 
@@ -76,7 +77,8 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                out: torch.Tensor, lse: torch.Tensor | None = None,
                workspace: TppWorkspace | None = None, kernel: str | None = None,
                sliding_window: int = 0, soft_cap: float = 0.0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
     """Exact decode attention, two-phase over the plan's shared nodes and private tails.
     (One call, which checks the plan; for many layers of one step, check it once with check_plan
     on the host, build a TppLaunch once and call its run per layer.)
@@ -93,6 +95,8 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                  [L - sliding_window, L) when sliding_window > 0; scores soft-capped to
                  soft_cap * tanh(s / soft_cap) when soft_cap > 0; sinks: fp32 [num_heads], one
                  logit per head added to each row's softmax denominator
+    k_scale, v_scale: an fp8 cache's (float8_e4m3fn / float8_e5m2) per-tensor scales: it holds
+                 K / k_scale and V / v_scale
     """
     if query.device.type != "cpu":        # the CPU op checks the plan itself, on every call
         check_plan(plan.to("cpu"), block_table.cpu(), seq_lens.cpu(), key_cache.shape[1],
@@ -100,7 +104,7 @@ def tpp_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     launch = TppLaunch(plan, block_table, seq_lens, query.shape[1], query.shape[2], query.device,
                        workspace, kernel)
     return launch.run(query, key_cache, value_cache, scale, out, lse, sliding_window, soft_cap,
-                      sinks)
+                      sinks, k_scale, v_scale)
 
 
 class TppDecodeWrapper:
@@ -154,14 +158,15 @@ class TppDecodeWrapper:
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             scale: float, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, sliding_window: int = 0, soft_cap: float = 0.0,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
+            sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """query: [num_seqs, num_heads, head_size]; key_cache, value_cache: [num_blocks,
         block_size, num_kv_heads, head_size]; out (written in place, allocated when None) as
         query; lse: optional [num_seqs, num_heads] fp32, natural log; sliding_window,
-        soft_cap, sinks: as tpp_decode. Returns out."""
+        soft_cap, sinks, k_scale, v_scale: as tpp_decode. Returns out."""
         if self.launch is None:
             raise RuntimeError("TppDecodeWrapper.run before plan")
         if out is None:
             out = torch.empty_like(query)
         return self.launch.run(query, key_cache, value_cache, scale, out, lse, sliding_window,
-                               soft_cap, sinks)
+                               soft_cap, sinks, k_scale, v_scale)

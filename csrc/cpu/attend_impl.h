@@ -12,6 +12,8 @@ constexpr int kRowTile = 8;   // rows whose scores are live at once (score scrat
 
 struct Bf16 { uint16_t bits; };
 struct Half { uint16_t bits; };
+struct Fp8E4m3 { uint8_t bits; };  // fp8 KV caches: the value before the layer's k/v scale
+struct Fp8E5m2 { uint8_t bits; };
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(Bf16 x) {
@@ -44,6 +46,66 @@ inline float to_f32(Half x) {
 #else
   return _cvtsh_ss(x.bits);
 #endif
+}
+// e5m2 is the top byte of an IEEE half.
+inline float to_f32(Fp8E5m2 x) { return to_f32(Half{uint16_t(x.bits << 8)}); }
+// e4m3fn (s eeee mmm, bias 7, no infinities, 0x7f / 0xff NaN) read as its value * 2^-8, which
+// is the IEEE half of its bits moved into place: the caller multiplies the scales by 2^8 (an
+// exact power of two), and the vector loads spare a multiply. A normal one is an fp32 whose
+// exponent is rebiased by 112; a subnormal (e = 0) is mmm * 2^-17.
+inline float to_f32(Fp8E4m3 x) {
+  const uint32_t em = x.bits & 0x7fu, sign = uint32_t(x.bits & 0x80u) << 24;
+  if (em == 0x7fu) return __builtin_nanf("");
+  if (em < 8u) return sign ? -float(em) * 0x1p-17f : float(em) * 0x1p-17f;
+  const uint32_t u = sign | ((em + (112u << 3)) << 20);
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// dst[0:n] = src[0:n] in fp32 (e4m3: times 2^-8, see to_f32). fp8 with F16C, 16 (AVX-512) or 8
+// at a time: as an IEEE half, e5m2 is the byte shifted up 8 bits, and e4m3 / 2^8 the sign and
+// its 7 other bits shifted into place (subnormals included); e4m3's NaN code is the one it does
+// not share with half.
+template <typename T>
+inline void to_f32_run(const T* src, float* dst, int n) {
+  int i = 0;
+#if defined(CHUNKATTN_ISA_AVX512)
+  if constexpr (std::is_same_v<T, Fp8E4m3> || std::is_same_v<T, Fp8E5m2>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      if constexpr (std::is_same_v<T, Fp8E5m2>) {
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_slli_epi16(w, 8)));
+      } else {
+        const __m256i low7 = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(low7, 7));
+        const __m512 f = _mm512_cvtph_ps(h);
+        const __mmask16 nan = _mm256_cmpeq_epi16_mask(low7, _mm256_set1_epi16(0x7f));
+        _mm512_storeu_ps(dst + i, _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf(""))));
+      }
+    }
+  }
+#endif
+#if defined(CHUNKATTN_ISA_AVX512) || defined(CHUNKATTN_ISA_AVX2)
+  if constexpr (std::is_same_v<T, Fp8E4m3> || std::is_same_v<T, Fp8E5m2>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+      if constexpr (std::is_same_v<T, Fp8E5m2>) {
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_slli_epi16(w, 8)));
+      } else {
+        const __m128i low7 = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(low7, 7));
+        const __m256 f = _mm256_cvtph_ps(h);
+        const __m256 nan = _mm256_castsi256_ps(
+            _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(low7, _mm_set1_epi16(0x7f))));
+        _mm256_storeu_ps(dst + i, _mm256_blendv_ps(f, _mm256_set1_ps(__builtin_nanf("")), nan));
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_f32(src[i]);
 }
 
 inline int imin(int a, int b) { return a < b ? a : b; }
@@ -122,22 +184,14 @@ void pack_tile_f32(const AttendArgs& a, int t0, int n, float* kf, float* vf) {
   const int64_t kds = a.k.dim_stride, kts = a.k.token_stride, vts = a.v.token_stride;
   for_each_block_run<T>(a, t0, n, [&](int i, int len, const T* kb, const T* vb) {
     if (k_transposed) {  // token_stride == 1: contiguous runs of tokens per dim
-      for (int d = 0; d < D; ++d) {
-        const T* src = kb + d * kds;
-        float* dst = kf + d * kTile + i;
-        for (int j = 0; j < len; ++j) dst[j] = to_f32(src[j]);
-      }
+      for (int d = 0; d < D; ++d) to_f32_run(kb + d * kds, kf + d * kTile + i, len);
     } else {
       for (int j = 0; j < len; ++j) {
         const T* src = kb + j * kts;
         for (int d = 0; d < D; ++d) kf[d * kTile + i + j] = to_f32(src[d]);
       }
     }
-    for (int j = 0; j < len; ++j) {
-      const T* src = vb + j * vts;
-      float* dst = vf + (i + j) * D;
-      for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
-    }
+    for (int j = 0; j < len; ++j) to_f32_run(vb + j * vts, vf + (i + j) * D, D);
   });
 }
 
@@ -305,6 +359,8 @@ void attend_f32_any_dtype(const AttendArgs& a) {
     case KvDtype::kFloat32: return attend_f32<I, float, D>(a);
     case KvDtype::kFloat16: return attend_f32<I, Half, D>(a);
     case KvDtype::kBFloat16: return attend_f32<I, Bf16, D>(a);
+    case KvDtype::kFp8E4m3: return attend_f32<I, Fp8E4m3, D>(a);
+    case KvDtype::kFp8E5m2: return attend_f32<I, Fp8E5m2, D>(a);
   }
 }
 

@@ -10,7 +10,10 @@
 
 namespace chunkattn_cpu {
 
-enum class KvDtype : int { kFloat32, kFloat16, kBFloat16 };
+// fp8: the cache holds K / k_scale and V / v_scale; the caller folds k_scale into `scale` and
+// v_scale into the normalisation, so the kernels read the fp8 values as they are (e4m3 times
+// 2^-8, which the caller's scales undo: attend_impl.h, to_f32).
+enum class KvDtype : int { kFloat32, kFloat16, kBFloat16, kFp8E4m3, kFp8E5m2 };
 
 // One of key_cache / value_cache as [num_blocks, block_size, num_kv_heads, head_size], strides in
 // elements. K is read with token_stride == 1 (CPU_ATTN, K^T per block and head) or
@@ -52,7 +55,7 @@ using AttendFn = void (*)(const AttendArgs&);
 AttendFn attend_avx512_bf16(int head_size);  // bf16 KV + bf16 q, block_size % 16 == 0
 AttendFn attend_amx(int head_size);          // as avx512_bf16, on AMX tiles; nullptr unless the
                                              // CPU has AMX-BF16 and the OS grants its use
-AttendFn attend_avx512(int head_size);       // any KV dtype, fp32 q
+AttendFn attend_avx512(int head_size);       // any KV dtype (fp8 too), fp32 q
 AttendFn attend_avx2(int head_size);
 // Any CPU:
 AttendFn attend_scalar(int head_size);

@@ -69,7 +69,9 @@ KvDtype kv_dtype_of(const at::Tensor& t) {
     case at::kFloat: return KvDtype::kFloat32;
     case at::kHalf: return KvDtype::kFloat16;
     case at::kBFloat16: return KvDtype::kBFloat16;
-    default: TORCH_CHECK(false, "tpp_decode: key_cache dtype must be float32, float16 or bfloat16, got ", t.scalar_type());
+    case at::kFloat8_e4m3fn: return KvDtype::kFp8E4m3;
+    case at::kFloat8_e5m2: return KvDtype::kFp8E5m2;
+    default: TORCH_CHECK(false, "tpp_decode: unsupported key_cache dtype ", t.scalar_type());
   }
 }
 
@@ -167,7 +169,12 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
   proto.v = view_of(args.value_cache);
   proto.dtype = kv_dtype;
   proto.block_size = static_cast<int>(block_size);
-  proto.scale = static_cast<float>(args.scale);
+  const bool fp8 = kv_dtype == KvDtype::kFp8E4m3 || kv_dtype == KvDtype::kFp8E5m2;
+  // fp8: q . (k_scale * k) = (k_scale * q) . k, and sum p * (v_scale * v) = v_scale * sum p * v;
+  // the kernels read e4m3 as its value * 2^-8 (tpp_attend.h).
+  const double read_scale = kv_dtype == KvDtype::kFp8E4m3 ? 256.0 : 1.0;
+  proto.scale = static_cast<float>(fp8 ? args.scale * args.k_scale * read_scale : args.scale);
+  const float v_scale = fp8 ? static_cast<float>(args.v_scale * read_scale) : 1.f;
   proto.soft_cap = static_cast<float>(args.soft_cap);
   proto.rows_per_seq = static_cast<int>(group);
   float* po = args.partial_o.data_ptr<float>();
@@ -246,7 +253,7 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
       const int64_t hh = h * group + g;
       if (sinks) softmax_state_add_sink(so + g * head_size, sm + g, sl + g, sinks[hh], static_cast<int>(head_size));
       void* dst = out_base + (i * out.stride(0) + hh * out.stride(1)) * out_esz;
-      const float inv_l = softmax_state_inv_l(sl[g]);
+      const float inv_l = softmax_state_inv_l(sl[g]) * v_scale;
       switch (out.scalar_type()) {
         case at::kFloat: store_out_row<float>(dst, so + g * head_size, inv_l, head_size); break;
         case at::kHalf: store_out_row<at::Half>(dst, so + g * head_size, inv_l, head_size); break;

@@ -26,3 +26,15 @@ def test_bench_kernel_times_a_windowed_layer_with_sinks(tmp_path, capsys):
     assert stem.with_suffix(".png").exists()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("device=")]
     assert len(rows) == 8 and all("ours_vs_cpu_attn=" in r for r in rows)
+
+
+def test_bench_kernel_times_an_fp8_kv_cache(tmp_path, capsys):
+    pytest.importorskip("vllm")
+    assert Variant(kv_cache_dtype="fp8_e5m2").label() == "full causal attention, fp8_e5m2 KV cache"
+    assert kernel_main(["--quick", "--reps", "1", "--dtype", "float32", "--kv-cache-dtype", "fp8",
+                        "--out", str(tmp_path)]) == 0
+    stem = tmp_path / "kernel_cpu_fp32_fp8"
+    assert "One layer (full causal attention, fp8 KV cache)" in stem.with_suffix(".md").read_text()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("device=")]
+    # the quick grid's block-64 points (vLLM keeps fp8 caches in blocks of 32k only)
+    assert len(rows) == 4 and all("ours_vs_cpu_attn=" in r and "block=64" in r for r in rows)

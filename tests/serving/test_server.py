@@ -117,6 +117,10 @@ MODELS = {
         architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=256,
         intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, sliding_window=128, rms_norm_eps=1e-5, **SMALL),
+    "mistral-hd80": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=320,
+        intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=80, sliding_window=None, rms_norm_eps=1e-5, **SMALL),
     "bloom": dict(
         architectures=["BloomForCausalLM"], model_type="bloom", hidden_size=256, n_layer=1,
         n_head=4, layer_norm_epsilon=1e-5, **SMALL),
@@ -142,13 +146,15 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("reason, model, where", [
-    ("sliding window", "mistral", "config"),    # the config shows it: no engine starts
-    ("ALiBi", "bloom", "worker"),               # model code: the attention layers refuse it
+@pytest.mark.parametrize("reason, model, flags, where", [
+    # the config shows it: no engine starts
+    ("fp8 KV cache with head size 80", "mistral-hd80", ["--kv-cache-dtype", "fp8"], "config"),
+    ("ALiBi", "bloom", [], "worker"),           # model code: the attention layers refuse it
 ])
-def test_inexact_models_are_refused_at_startup(reason, model, where, tmp_path):
+def test_inexact_models_are_refused_at_startup(reason, model, flags, where, tmp_path):
     server = ServerProcess(str(_model_dir(tmp_path, model, MODELS[model])),
-                           FLAGS + ["--attention-backend", "CUSTOM", "--load-format", "dummy"])
+                           FLAGS + flags + ["--attention-backend", "CUSTOM", "--load-format",
+                                            "dummy"])
     with pytest.raises(ServerError) as err:
         server.start(timeout_s=300)
     root_cause = str(err.value).splitlines()[0]         # the error ServerProcess found first
@@ -172,12 +178,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
 
 
 @pytest.mark.parametrize("model, engine_args, reason", [
-    ("mistral", {}, "cannot serve this model exactly: sliding window attention (window 128)"),
-    ("gemma2", {}, "sliding window attention (window 128), logits soft-capping (50.0)"),
     ("deepseek_v2", {}, "cannot serve this model exactly: MLA"),
     ("whisper", {"max_model_len": 448},
      "cannot serve this model exactly: encoder-decoder attention"),
-    (None, {"kv_cache_dtype": "fp8"}, "cannot serve this model exactly: quantized KV cache (fp8)"),
+    (None, {"kv_cache_dtype": "fp8_inc"},
+     "cannot serve this model exactly: quantized KV cache (fp8_inc)"),
+    ("mistral-hd80", {"kv_cache_dtype": "fp8"},
+     "cannot serve this model exactly: an fp8 KV cache with head size 80 (vLLM's CPU backend "
+     "writes fp8 for head sizes divisible by 32)"),
     (None, {"speculative_config": NGRAM},
      "the chunk prefix tree KV cache manager (--attention-backend CUSTOM) does not support "
      "speculative decoding"),
@@ -202,8 +210,9 @@ def test_a_config_without_a_model_is_checked_for_what_it_has():
     register()
     custom = AttentionConfig(backend=AttentionBackendEnum.CUSTOM)
     assert VllmConfig(attention_config=custom).scheduler_config.scheduler_cls == SCHEDULER_PATH
-    with pytest.raises(ValueError, match=re.escape("quantized KV cache (fp8)")):
-        VllmConfig(attention_config=custom, cache_config=CacheConfig(cache_dtype="fp8"))
+    with pytest.raises(ValueError, match=re.escape("quantized KV cache (fp8_inc)")):
+        VllmConfig(attention_config=custom, cache_config=CacheConfig(cache_dtype="fp8_inc"))
+    VllmConfig(attention_config=custom, cache_config=CacheConfig(cache_dtype="fp8"))
 
 
 def test_the_models_we_serve_are_not_refused(tmp_path):
@@ -220,6 +229,13 @@ def test_the_models_we_serve_are_not_refused(tmp_path):
         assert config.scheduler_config.disable_hybrid_kv_cache_manager is slides, model.name
         if slides:        # stock keeps its hybrid manager
             assert _engine_config(model).scheduler_config.disable_hybrid_kv_cache_manager is False
+    # A window on every layer (Mistral), or on alternate ones with a soft-cap (Gemma 2), and an
+    # fp8 cache: served, with one KV cache group.
+    dirs = {name: _model_dir(tmp_path, name, MODELS[name]) for name in ("mistral", "gemma2")}
+    for name, engine_args in (("mistral", {}), ("gemma2", {}),
+                              ("mistral", {"kv_cache_dtype": "fp8"})):
+        config = _engine_config(dirs[name], attention_backend="CUSTOM", **engine_args)
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is True, name
 
 
 def test_mla_is_refused_by_backend_selection():

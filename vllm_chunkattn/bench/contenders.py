@@ -19,10 +19,17 @@ from .timing import Timer
 @dataclass(frozen=True)
 class Variant:
     """The attention variant of the timed layer: a sliding window (0: none), a logit soft-cap
-    (0: none), attention sinks (one fixed random logit per head)."""
+    (0: none), attention sinks (one fixed random logit per head), and the KV cache's dtype as
+    vLLM names it ("auto": the model's; "fp8" / "fp8_e5m2": fp8 at k/v scales of 1)."""
     sliding_window: int = 0
     soft_cap: float = 0.0
     sinks: bool = False
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def fp8_dtype(self) -> torch.dtype | None:
+        return {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2}.get(self.kv_cache_dtype)
 
     def sink_logits(self, num_heads: int, device) -> torch.Tensor | None:
         if not self.sinks:
@@ -33,7 +40,8 @@ class Variant:
         parts = ([f"window {self.sliding_window}"] if self.sliding_window else []) + (
             [f"soft-cap {self.soft_cap:g}"] if self.soft_cap else []) + (
             ["sinks"] if self.sinks else [])
-        return ", ".join(parts) or "full causal attention"
+        cache = f", {self.kv_cache_dtype} KV cache" if self.kv_cache_dtype != "auto" else ""
+        return (", ".join(parts) or "full causal attention") + cache
 
 
 FULL_ATTENTION = Variant()
@@ -74,10 +82,11 @@ def host_ms(fn, reps: int) -> float:
     return Timer(torch.device("cpu"))(fn, reps)
 
 
-def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int,
+                 kv_cache_dtype: str = "auto") -> str:
     """The CPU_ATTN ISA vLLM itself picks on this machine (amx where the CPU has AMX)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    return _get_attn_isa(dtype, block_size, head_size)
+    return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
 
 
 def sdpa_per_sequence(bt: Batch):
@@ -119,7 +128,7 @@ def cpu_attn(bt: Batch, isa: str, variant: Variant = FULL_ATTENTION):
             query_start_loc=query_start_loc, seq_lens=bt.seq_lens, scale=bt.scale, causal=True,
             alibi_slopes=None, sliding_window=variant.sliding_window or -1,
             block_table=bt.block_table, softcap=variant.soft_cap, scheduler_metadata=sched,
-            s_aux=sinks)
+            s_aux=sinks, k_scale=1.0, v_scale=1.0, kv_cache_dtype=variant.kv_cache_dtype)
         return out
     return run
 

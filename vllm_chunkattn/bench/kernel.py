@@ -38,11 +38,15 @@ def run_grid(args) -> list[dict]:
     timer = Timer(device)
     rows = []
     fi_off = ""     # why FlashInfer failed once: not retried (a failed JIT build costs minutes)
-    for (hq, hkv), block in itertools.product(args.heads or g["heads"], g["block"]):
-        isa = vllm_cpu_isa(dtype, block, args.head_size) if device.type == "cpu" else ""
+    # vLLM's CPU backend keeps fp8 caches in blocks of a multiple of 32 tokens only.
+    blocks = [bs for bs in g["block"] if not (args.variant.fp8_dtype and device.type == "cpu"
+                                              and bs % 32)]
+    for (hq, hkv), block in itertools.product(args.heads or g["heads"], blocks):
+        isa = (vllm_cpu_isa(dtype, block, args.head_size, args.variant.kv_cache_dtype)
+               if device.type == "cpu" else "")
         per_seq_blocks = -(-(max(g["n_p"]) + 1) // block)
         pool = KvPool(max(g["b"]) * per_seq_blocks + 1, block, hkv, args.head_size, dtype, device,
-                      layout)
+                      layout, args.variant.fp8_dtype)
         for n_p, share, b in itertools.product(g["n_p"], g["share"], g["b"]):
             n_s = int(n_p * share) // block * block
             bt = pool.batch(n_p, n_s, b, hq, seed=n_p + b)
@@ -104,7 +108,8 @@ def write_results(rows, args, out_dir: Path, command: str):
     stem += "_fp32" if args.dtype == "float32" else ""
     v = args.variant
     stem += (f"_w{v.sliding_window}" if v.sliding_window else "") + (
-        f"_cap{v.soft_cap:g}" if v.soft_cap else "") + ("_sinks" if v.sinks else "")
+        f"_cap{v.soft_cap:g}" if v.soft_cap else "") + ("_sinks" if v.sinks else "") + (
+        f"_{v.kv_cache_dtype}" if v.kv_cache_dtype != "auto" else "")
     df = pd.DataFrame(rows)
     df.to_csv(out_dir / f"{stem}.csv", index=False)
     base = "cpu_attn" if args.device == "cpu" else "sdpa_per_seq"
@@ -185,8 +190,10 @@ def main(argv=None) -> int:
                    help="time a windowed layer: each row sees its last N keys (gpt-oss: 128)")
     p.add_argument("--soft-cap", type=float, default=0.0, help="logit soft-cap (Gemma 2: 50)")
     p.add_argument("--sinks", action="store_true", help="attention sinks, one logit a head (gpt-oss)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e5m2"),
+                   help="an fp8 KV cache (CPU: vLLM's CPU_ATTN reads its own fp8 layout)")
     args = p.parse_args(argv)
-    args.variant = Variant(args.sliding_window, args.soft_cap, args.sinks)
+    args.variant = Variant(args.sliding_window, args.soft_cap, args.sinks, args.kv_cache_dtype)
     command = "python -m vllm_chunkattn.bench kernel " + " ".join(
         sys.argv[2:] if argv is None else argv)
     if args.grid in GPU_GRIDS:

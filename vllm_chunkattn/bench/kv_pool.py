@@ -25,8 +25,19 @@ class KvPool:
     """One random KV cache per (heads, block) config, sized for the largest point and reused:
     filling GBs of cache per point would dominate the run."""
 
-    def __init__(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout):
-        if layout == "paged_nhd":
+    def __init__(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device, layout,
+                 fp8_dtype: torch.dtype | None = None):
+        """fp8_dtype (torch.float8_e4m3fn / float8_e5m2): an fp8 cache as vLLM allocates one
+        (uint8, read through fp8 views), holding N(0, 1) values at k/v scales of 1."""
+        self.dtype = dtype
+        if fp8_dtype is not None:
+            self.kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
+                                           torch.uint8, device, layout)
+            self.key_cache, self.value_cache = (v.view(fp8_dtype) for v in
+                                                kv_cache_views(self.kv_cache, layout))
+            for cache in (self.key_cache, self.value_cache):
+                cache.copy_(torch.randn(cache.shape, device=device).to(fp8_dtype))
+        elif layout == "paged_nhd":
             # FlashInfer's (and vLLM's FLASHINFER backend's) pages [blocks, 2, block, kv heads,
             # head]: our op reads the K and V halves in place, so both read the same bytes.
             self.kv_cache = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_size,
@@ -36,7 +47,8 @@ class KvPool:
             self.kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
                                            dtype, device, layout)
             self.key_cache, self.value_cache = kv_cache_views(self.kv_cache, layout)
-        self.kv_cache.normal_()
+        if fp8_dtype is None:
+            self.kv_cache.normal_()
         self.block_size = block_size
 
     def batch(self, n_p, n_s, b, num_heads, seed) -> Batch:
@@ -49,7 +61,7 @@ class KvPool:
         table = torch.cat([ids[:shared].expand(b, shared), ids[shared:].view(b, private)], dim=1)
         head_size = self.key_cache.shape[-1]
         dev = self.kv_cache.device
-        query = torch.randn(b, num_heads, head_size, generator=g).to(self.kv_cache.dtype).to(dev)
+        query = torch.randn(b, num_heads, head_size, generator=g).to(self.dtype).to(dev)
         return Batch(query, self.kv_cache, self.key_cache, self.value_cache,
                      table.to(torch.int32).to(dev),
                      torch.full((b,), seq_len, dtype=torch.int32, device=dev), head_size ** -0.5)
@@ -59,7 +71,7 @@ class KvPool:
         head_size = self.key_cache.shape[-1]
         dev = self.kv_cache.device
         query = torch.randn(block_table.shape[0], num_heads, head_size, generator=generator)
-        return Batch(query.to(self.kv_cache.dtype).to(dev), self.kv_cache, self.key_cache,
+        return Batch(query.to(self.dtype).to(dev), self.kv_cache, self.key_cache,
                      self.value_cache, block_table.to(torch.int32).to(dev),
                      seq_lens.to(torch.int32).to(dev), head_size ** -0.5)
 

@@ -83,6 +83,20 @@ def random_tree_batch(seed: int, *, depth: int = 2, fanout: int = 3, max_node_bl
                      head_size ** -0.5)
 
 
+def fp8_kv_batch(b: TreeBatch, fp8_dtype: torch.dtype, k_scale: float = 1.0,
+                 v_scale: float = 1.0, layout: str = "flash") -> TreeBatch:
+    """`b` with its KV stored as vLLM stores an fp8 cache: a uint8 tensor in `layout` holding
+    K / k_scale and V / v_scale, read through `fp8_dtype` (float8_e4m3fn / float8_e5m2) views
+    that a kernel takes with the scales."""
+    num_blocks, block_size, num_kv_heads, head_size = b.key_cache.shape
+    kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, torch.uint8,
+                              b.key_cache.device, layout)
+    key_cache, value_cache = (v.view(fp8_dtype) for v in kv_cache_views(kv_cache, layout))
+    key_cache.copy_((b.key_cache.float() / k_scale).to(fp8_dtype))
+    value_cache.copy_((b.value_cache.float() / v_scale).to(fp8_dtype))
+    return replace(b, kv_cache=kv_cache, key_cache=key_cache, value_cache=value_cache)
+
+
 def caterpillar_batch(num_rows: int, block_size: int = 16, **kwargs) -> TreeBatch:
     """The deepest tree of num_rows rows: row i holds blocks 1..i+1 in full (the last row as many
     as the one before), then a private partial block. num_rows - 1 nested nodes and

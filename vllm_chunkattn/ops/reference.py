@@ -7,7 +7,8 @@ l = 0, o = 0; merging two empty states must stay empty, never NaN.
 A layer's attention variant (csrc/tpp_schema.h): a score is s = scale * q.k, soft-capped to
 soft_cap * tanh(s / soft_cap) when soft_cap > 0; with sliding_window > 0 a row of seq_len L sees
 keys [L - sliding_window, L) only; a sink is one more logit per head in the denominator, merged
-into the row's final state as a token with no value.
+into the row's final state as a token with no value. An fp8 cache (float8_e4m3fn / float8_e5m2)
+holds K / k_scale and V / v_scale: K and V are its values times the layer's scales.
 """
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ import torch
 from ..plan.tpp_plan import TppPlan
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def paged_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
-             num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather [num_tokens, num_kv_heads, head_size] K and V from blocks, in token order.
+             num_tokens: int, k_scale: float = 1.0, v_scale: float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather [num_tokens, num_kv_heads, head_size] K and V from blocks, in token order; an fp8
+    cache's values come back in fp32 times their scale.
 
     key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides.
     """
     ids = block_ids.long().to(key_cache.device)
-    k = key_cache[ids].flatten(0, 1)[:num_tokens]
-    v = value_cache[ids].flatten(0, 1)[:num_tokens]
-    return k, v
+
+    def gather(cache, cache_scale):
+        if cache.dtype not in FP8_DTYPES:
+            return cache[ids].flatten(0, 1)[:num_tokens]
+        raw = cache.view(torch.uint8)[ids].flatten(0, 1)[:num_tokens]    # fp8 has no indexing
+        return raw.view(cache.dtype).float() * cache_scale
+    return gather(key_cache, k_scale), gather(value_cache, v_scale)
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -93,14 +103,16 @@ def window_start(seq_lens: torch.Tensor, sliding_window: int) -> torch.Tensor:
 def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, plan: TppPlan,
                          scale: float, out: torch.Tensor | None = None, return_lse: bool = False,
                          sliding_window: int = 0, soft_cap: float = 0.0,
-                         sinks: torch.Tensor | None = None):
+                         sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0):
     """Two-phase partition decode, written for reading.
 
     query: [num_seqs, num_heads, head_size]; one new token per row
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides
     block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new token included)
     out: [num_seqs, num_heads, head_size], written in place if given. lse: [num_seqs, num_heads].
-    sliding_window, soft_cap, sinks: the layer's attention variant (module docstring).
+    sliding_window, soft_cap, sinks: the layer's attention variant; k_scale, v_scale: an fp8
+    cache's scales (module docstring).
     """
     num_seqs, num_heads, head_size = query.shape
     lo = window_start(seq_lens.long().cpu(), sliding_window)         # each row's first key
@@ -118,7 +130,7 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
         if ns[n] == ns[n + 1]:
             continue                  # an empty node: capacity padding (plan/capacity.py)
         blocks = nbi[nb[n]:nb[n + 1]]
-        k, v = paged_kv(key_cache, value_cache, blocks, len(blocks) * block_size)
+        k, v = paged_kv(key_cache, value_cache, blocks, len(blocks) * block_size, k_scale, v_scale)
         rows = nsi[ns[n]:ns[n + 1]]
         edge = lo[rows.cpu()] - node_first[n] * block_size
         p_o[ns[n]:ns[n + 1]], p_m[ns[n]:ns[n + 1]], p_l[ns[n]:ns[n + 1]] = partial_attention(
@@ -137,7 +149,8 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
         num_private = lens[i] - start * block_size
         if num_private > 0:
             nblk = -(-lens[i] // block_size)
-            k, v = paged_kv(key_cache, value_cache, block_table[i, start:nblk], num_private)
+            k, v = paged_kv(key_cache, value_cache, block_table[i, start:nblk], num_private,
+                            k_scale, v_scale)
             edge = lo[i:i + 1] - start * block_size
             o, m, l = partial_attention(query[i:i + 1], k, v, scale, soft_cap,
                                         edge if sliding_window > 0 else None)
@@ -152,7 +165,8 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
 
 def dense_decode_oracle(query, key_cache, value_cache, block_table, seq_lens, scale: float,
                         sliding_window: int = 0, soft_cap: float = 0.0,
-                        sinks: torch.Tensor | None = None):
+                        sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0):
     """Per-sequence attention over the gathered context in fp64: knows nothing of plans.
     The variant as vLLM's CPU_ATTN test reference writes it: cap, window mask, then the sink as
     an extra logit column whose probability is dropped.
@@ -165,7 +179,7 @@ def dense_decode_oracle(query, key_cache, value_cache, block_table, seq_lens, sc
     for i in range(num_seqs):
         n = int(seq_lens[i])
         blocks = block_table[i, :-(-n // block_size)]
-        k, v = paged_kv(key_cache, value_cache, blocks, n)
+        k, v = paged_kv(key_cache, value_cache, blocks, n, k_scale, v_scale)
         group = num_heads // k.shape[1]
         k = k.double().repeat_interleave(group, dim=1)            # [n, Hq, D]
         v = v.double().repeat_interleave(group, dim=1)

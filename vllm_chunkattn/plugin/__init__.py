@@ -89,7 +89,7 @@ def _use_tree_scheduler_with_custom_backend() -> None:
         if attention is None or attention.backend != AttentionBackendEnum.CUSTOM:
             return
         from . import support
-        if reasons := support.config_refusals(vllm_config):
+        if reasons := support.config_refusals(vllm_config, current_platform.is_cpu()):
             raise support.refusal(reasons)
         from .stats import expose
         expose()

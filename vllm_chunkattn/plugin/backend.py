@@ -28,8 +28,8 @@ from ..decode import TppLaunch
 from ..ops import kernel_name
 from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace
 from . import batch_order, logger
-from .support import (CUDA_BLOCK_SIZES, KV_CACHE_DTYPES, cuda_refusal, head_sizes,
-                      layer_refusals, refusal)
+from .support import (CUDA_BLOCK_SIZES, FP8_KV_CACHE_DTYPES, cuda_refusal, head_sizes,
+                      kv_cache_dtypes, layer_refusals, refusal)
 from .host_block_table import host_block_table, host_seq_lens
 from .stats import SHARING_STATS
 
@@ -46,7 +46,7 @@ class ChunkAttnBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = kv_cache_dtypes(current_platform.is_cpu())
 
     @staticmethod
     def get_name() -> str:
@@ -302,7 +302,8 @@ class ChunkAttnImpl(AttentionImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  **extra_impl_args):
-        reasons = layer_refusals(alibi_slopes, attn_type, kv_cache_dtype)
+        reasons = layer_refusals(alibi_slopes, attn_type, kv_cache_dtype, head_size,
+                                 current_platform.is_cpu())
         if reasons:
             raise refusal(reasons)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
@@ -312,6 +313,8 @@ class ChunkAttnImpl(AttentionImpl):
         self.sinks = extra_impl_args.get("sinks")     # the model's parameter, loaded later
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # An fp8 cache is allocated as uint8: the kernel reads it through an fp8 view.
+        self.fp8_dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         base_backend, self.kv_layout, _ = _platform_base()
@@ -337,7 +340,8 @@ class ChunkAttnImpl(AttentionImpl):
         if nd:
             key_cache, value_cache = self._kv_views(kv_cache)
             md.decode.run(query[:nd], key_cache, value_cache, self.scale, output[:nd], None,
-                          self.sliding_window, self.soft_cap, self._sinks_for_kernel())
+                          self.sliding_window, self.soft_cap, self._sinks_for_kernel(),
+                          layer._k_scale_float, layer._v_scale_float)
             # (layers run one after another, so all share the process's default workspace)
         if md.prefill is not None:
             end = md.num_actual_tokens
@@ -357,7 +361,10 @@ class ChunkAttnImpl(AttentionImpl):
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # A layer's cache tensor is allocated once: make its K/V views once, not every step.
         if self._views is None or self._views[0] is not kv_cache:
-            self._views = (kv_cache, *kv_cache_views(kv_cache, self.kv_layout))
+            views = kv_cache_views(kv_cache, self.kv_layout)
+            if self.fp8_dtype is not None:
+                views = tuple(v.view(self.fp8_dtype) for v in views)
+            self._views = (kv_cache, *views)
         return self._views[1], self._views[2]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

