@@ -1,12 +1,14 @@
-"""Do tests/kernels/test_cuda_host.py and tests/kernels/test_cuda_simt_emulation.py catch a broken CUDA kernel?
-Each mutation below is a bug of a kind that kernel work makes (a fragment layout, a missing wait
-or barrier, a mask, the smem size, the grid dependency of the overlapped final launch, the work
-decomposition and its KV splits, on the host and in a padded plan's CTAs);
+"""Do tests/kernels/test_cuda_host.py and the SIMT emulation tests
+(tests/kernels/test_cuda_*_emulation.py) catch a broken CUDA kernel? Each mutation below is a bug of a kind that kernel work makes (a
+fragment layout, a missing wait or barrier, a mask, the smem size, the grid dependency of the
+overlapped final launch, the work decomposition and its KV splits, on the host and in a padded
+plan's CTAs, an fp8 cache's staging, conversion and scales);
 each is applied to a copy of csrc/, and those tests run against that copy (-x: stop at the first
 failure). A mutation the tests do not catch is printed as MISSED and the exit status is 1.
 
-    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~55 min on 2 cores (47 mutations)
+    .venv/bin/python benchmarks/gpu/kernel_mutations.py        # ~60 min on 2 cores (54 mutations)
     .venv/bin/python benchmarks/gpu/kernel_mutations.py KV     # those whose names say "KV"
+    .venv/bin/python benchmarks/gpu/kernel_mutations.py fp8    # the fp8 cache's
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ("cuda/tpp_params.cuh", "cuda/tpp_attend_tile.cuh", "cuda/tpp_scores.cuh",
           "cuda/tpp_slot_merge.cuh", "cuda/tpp_kernels.cuh")
 HOST = "cuda/tpp_host.h"
-TESTS = ["tests/kernels/test_cuda_host.py", "tests/kernels/test_cuda_variants_emulation.py",
+TESTS = ["tests/kernels/test_cuda_host.py", "tests/kernels/test_cuda_fp8_emulation.py",
+         "tests/kernels/test_cuda_variants_emulation.py",
          "tests/kernels/test_cuda_simt_emulation.py"]   # host first: seconds
 
 # (name, text in one of KERNEL's files, its replacement); each text occurs exactly once in them.
@@ -35,7 +38,7 @@ MUTATIONS = [
     ("V read without .trans",
      "ldmatrix_x4_trans(b, sv", "ldmatrix_x4(b, sv"),
     ("no cp.async.wait_group before the stage is read",
-     "    cp_async_wait<1>();\n    __syncthreads();", "    __syncthreads();"),
+     "    cp_async_wait<1>();\n", ""),
     ("no __syncthreads before the next prefetch overwrites a stage",
      "    __syncthreads();  // the stage is overwritten by the next iteration's prefetch", ""),
     ("P fragment registers swapped",
@@ -94,14 +97,13 @@ MUTATIONS = [
     ("the partial launch never picks its compact kernel",
      "return with_stage<D>(p.partial_stage_tokens, f);", "return with_stage<D>(0, f);"),
     ("the compact partial kernel's 64-row chunk CTAs stream in the default stage's smem layout",
-     "attend_tile<T, D, 4, false, TOKENS>(", "attend_tile<T, D, 4, false>("),
+     "attend_tile<T, D, 4, false, TOKENS, FP8>(", "attend_tile<T, D, 4, false, TileShape<D>::kTokens, FP8>("),
     ("the compact final kernel streams in the default stage's smem layout",
-     "attend_tile<T, D, 1, true, TOKENS>(", "attend_tile<T, D, 1, true>("),
+     "attend_tile<T, D, 1, true, TOKENS, FP8>(", "attend_tile<T, D, 1, true, TileShape<D>::kTokens, FP8>("),
     ("a KV copy uses the next token's block id",
      "rows(blk[i], t & mask)", "rows(blk[(i + 1) % kPerThread], t & mask)"),
     ("a stage's tokens past the run are copied, not zero-filled",
-     "const int bytes = t < t_end ? 16 : 0;\n      const KvRows<T> src",
-     "const int bytes = 16;\n      const KvRows<T> src"),
+     "const int bytes = t < t_end ? kCopyBytes : 0;", "const int bytes = kCopyBytes;"),
     ("the 32-bit KV path reads V at K's address",
      "reinterpret_cast<uintptr_t>(k) + v_minus_k", "reinterpret_cast<uintptr_t>(k)"),
     ("the 32-bit KV path reads every token of a block at its first row",
@@ -110,7 +112,7 @@ MUTATIONS = [
      "value_head + block * p.v_stride_block + int64_t(row) * p.v_stride_tok",
      "value_head + block * p.k_stride_block + int64_t(row) * p.k_stride_tok"),
     ("head 96: every copy of a thread in its first chunk",
-     "(x + i * kThreads) % kChunks; };", "0; };"),
+     ": (x + i * kThreads) % kChunks; }", ": 0; }"),
     ("sliding window: a chunk item's rows see the node before their edges",
      "if (t_begin + it * S::kTokens < lo_hi) mask_window", "if (false) mask_window"),
     ("sliding window: a chunk item loads the KV before its rows' lowest edge",
@@ -125,7 +127,22 @@ MUTATIONS = [
      "      if (t_begin + it * S::kTokens < lo_hi) mask_window<kTokW / 8>(s, tok0, lo);\n"
      "      if (p.soft_cap_log2 > 0.f) soft_cap_scores<kTokW / 8>(s, p.soft_cap_log2, p.soft_cap_in);\n"),
     ("sinks: o not rescaled to the sink's max",
-     "const float inv = a / fmaxf(l[r], 1e-30f);", "const float inv = 1.f / fmaxf(l[r], 1e-30f);"),
+     "const float inv = a * p.v_scale /", "const float inv = p.v_scale /"),
+    ("fp8: v_scale left out of the output",
+     "const float inv = a * p.v_scale /", "const float inv = a /"),
+    ("fp8: a stage converted before its copies landed",
+     "    cp_async_wait<1>();\n    if constexpr (FP8) {",
+     "    if constexpr (FP8) {\n      cp_async_wait<2>();"),
+    ("fp8: every stage converted from the first stage's bytes",
+     "const uint8_t* raw = stage_kv(it % S::kStages);", "const uint8_t* raw = stage_kv(0);"),
+    ("fp8: a thread converts the chunks another warp's thread copied",
+     "  const C chunks{int(threadIdx.x)};\n  const int c = chunks.first_chunk();\n#pragma unroll",
+     "  const C chunks{int(threadIdx.x + 32) % kThreads};\n  const int c = chunks.first_chunk();\n"
+     "#pragma unroll"),
+    ("fp8: e5m2 read as e4m3",
+     "if (p.kv_fp8 == kKvE5m2)", "if (p.kv_fp8 != kKvE5m2)"),
+    ("fp8: the MMAs read the tile of the stage the bytes landed in",
+     "(FP8 ? 0 : it % S::kStages)", "(it % S::kStages)"),
 ]
 # The same, in csrc/cuda/tpp_host.h.
 HOST_MUTATIONS = [
@@ -135,6 +152,8 @@ HOST_MUTATIONS = [
      "if (ss > 1) --ss;\n    else --cs;", "break;"),
     ("a padded plan's grid never loops, whatever its capacities",
      "> kLoopWaves * resident ?", "> 1000 * kLoopWaves * resident ?"),
+    ("fp8: k_scale left out of the scores",
+     "const double qk_scale = fp8 ? a.scale * a.k_scale : a.scale;", "const double qk_scale = a.scale;"),
     ("the 32-bit KV path whatever V's strides",
      "p.kv_offsets_i32 = kv_offsets_fit_i32(key_cache, value_cache) &&", "p.kv_offsets_i32 = true &&"),
 ]

@@ -1,7 +1,7 @@
 """A few small trees through the CUDA TPP op, for compute-sanitizer (run_on_device.sh runs it
 under memcheck and racecheck, instrumenting only our kernels): tree shapes with several nodes,
-GQA head tiles, split-KV scratch slots, every head size, a capacity-padded plan, and the attention
-variants (sliding window, soft cap, sinks). Each result
+GQA head tiles, split-KV scratch slots, every head size, a capacity-padded plan, the attention
+variants (sliding window, soft cap, sinks) and fp8 KV caches (e4m3 / e5m2). Each result
 is also checked against the reference, so the run fails on a wrong answer as well.
 Usage: [compute-sanitizer --kernel-name kns=tpp_ ...] python benchmarks/gpu/sanitize_tpp.py"""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import tpp_decode_reference
 from vllm_chunkattn.plan import TppPlan, build_plan
 from vllm_chunkattn.plan.capacity import PlanCapacity, pad_plan
-from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, fp8_kv_batch, random_tree_batch
 
 # (spec, num_heads, num_kv_heads, head_size, block_size, dtype, (chunk splits, seq splits), pad,
 # (partial stage, final stage)): pad True: empty nodes added; "capacity": padded as for a CUDA
@@ -24,7 +24,8 @@ from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
 # them (tpp_params.cuh), in the workspace the backend gives graphs. Stages: partial 32 is its
 # compact stage (CHUNKATTN_PARTIAL_STAGE_TOKENS), final 64 the final launch in the default stage
 # (CHUNKATTN_FINAL_STAGE_TOKENS); 0: each launch's default (64 and the compact 32 at head 128).
-# A last dict, where given: the op's sliding_window / soft_cap / sinks (sinks: True for one per head).
+# A last dict, where given: the op's sliding_window / soft_cap / sinks (sinks: True for one per head),
+# and "fp8": the KV cache stored as that fp8 dtype with FP8_SCALES.
 CASES = [
     ("deep_tree", 8, 2, 64, 16, torch.float16, (1, 1), False, (0, 0)),
     ("system_prompts", 16, 4, 128, 32, torch.bfloat16, (2, 3), False, (0, 0)),
@@ -37,7 +38,14 @@ CASES = [
     ("deep_tree", 16, 4, 128, 16, torch.bfloat16, (3, 2), False, (32, 0), dict(sliding_window=5)),
     ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (0, 0),
      dict(sliding_window=40, sinks=True)),
+    ("deep_tree", 16, 4, 128, 16, torch.float16, (2, 3), False, (0, 0),
+     dict(fp8=torch.float8_e4m3fn)),
+    ("system_prompts", 8, 2, 96, 16, torch.bfloat16, (2, 2), False, (32, 64),
+     dict(sliding_window=24, soft_cap=10.0, sinks=True, fp8=torch.float8_e5m2)),
+    ("system_prompts", 32, 8, 128, 16, torch.bfloat16, (0, 0), "capacity", (0, 0),
+     dict(fp8=torch.float8_e4m3fn)),
 ]
+FP8_SCALES = dict(k_scale=0.37, v_scale=1.9)
 
 
 def pad(plan: TppPlan, extra_nodes: int, extra_partials: int) -> TppPlan:
@@ -60,6 +68,7 @@ def main() -> int:
     failures = 0
     for i, (spec, hq, hkv, d, bs, dtype, splits, padded, (partial, final), *rest) in enumerate(CASES):
         variant = dict(rest[0]) if rest else {}
+        fp8 = variant.pop("fp8", None)
         if variant.get("sinks"):
             variant["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(i)).cuda()
         os.environ["CHUNKATTN_CHUNK_SPLITS"], os.environ["CHUNKATTN_SEQ_SPLITS"] = map(str, splits)
@@ -67,6 +76,9 @@ def main() -> int:
         os.environ["CHUNKATTN_FINAL_STAGE_TOKENS"] = str(final)
         b = random_tree_batch(i, **TREE_SPECS[spec], num_heads=hq, num_kv_heads=hkv,
                               head_size=d, block_size=bs, dtype=dtype, device="cuda")
+        if fp8 is not None:
+            b = fp8_kv_batch(b, fp8, **FP8_SCALES)
+            variant.update(FP8_SCALES)
         plan = build_plan(b.block_table.cpu(), b.seq_lens.cpu(), bs)
         num_seqs = b.query.shape[0]
         if padded == "capacity":
@@ -93,7 +105,8 @@ def main() -> int:
         ok = not out.isnan().any().item() and err < 2e-2
         label = ("capacity " if padded == "capacity" else "padded " if padded else "") + (
             f"partial stage {partial} " if partial else "") + (f"final stage {final} " if final else "") + (
-            f"{', '.join(sorted(variant))} " if variant else "")
+            f"{', '.join(sorted(variant))} " if variant else "") + (
+            f"{str(fp8)[6:]} KV " if fp8 else "")
         failures += not ok
         print(f"{spec:15s} heads {hq}/{hkv} d {d} block {bs} {str(dtype)[6:]:8s} splits {splits} "
               f"{label}nodes {plan.num_nodes} partials {plan.num_partials}: "

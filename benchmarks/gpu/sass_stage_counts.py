@@ -35,13 +35,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# kernel -> (its mangled names, newest first: the partial kernel's stage size became a template
-# argument, so older revisions have the name without it), the HMMAs of its stage loop.
+# kernel -> (its mangled names, newest first: the stage size and then the fp8-KV flag became
+# template arguments, so older revisions have names without them), the HMMAs of its stage loop.
+# The 16-bit KV kernels (fp8 flag false).
 _NAME = "_ZN9chunkattn{}I13__nv_bfloat16Li128E{}EvNS_9TppParamsE"
-KERNELS = {"partial (64 rows)": ((_NAME.format("18tpp_partial_kernel", "Li64EE"),
+KERNELS = {"partial (64 rows)": ((_NAME.format("18tpp_partial_kernel", "Li64ELb0EE"),
+                                  _NAME.format("18tpp_partial_kernel", "Li64EE"),
                                   _NAME.format("18tpp_partial_kernel", "E")), 128),
-           "partial (compact)": ((_NAME.format("18tpp_partial_kernel", "Li32EE"),), 64),
-           "final (compact)": ((_NAME.format("16tpp_final_kernel", "Li32EE"),), 32)}
+           "partial (compact)": ((_NAME.format("18tpp_partial_kernel", "Li32ELb0EE"),
+                                  _NAME.format("18tpp_partial_kernel", "Li32EE")), 64),
+           "final (compact)": ((_NAME.format("16tpp_final_kernel", "Li32ELb0EE"),
+                                _NAME.format("16tpp_final_kernel", "Li32EE")), 32)}
 # (file under csrc, text, replacement) forcing one path; each text must occur exactly once.
 FULL_STAGE = ("cuda/tpp_attend_tile.cuh", "if (t_begin + (it + 1) * S::kTokens <= t_end)", "if (true)")
 KV_PATH = ("cuda/tpp_attend_tile.cuh", "if (p.kv_offsets_i32) {", "if ({}) {{")

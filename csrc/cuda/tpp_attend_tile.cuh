@@ -33,55 +33,78 @@ struct Smem {
   }
 };
 
+// A KV cache element: the query's 16-bit type T, or a byte of an fp8 cache.
+template <typename T, bool FP8>
+using KvElem = std::conditional_t<FP8, uint8_t, T>;
+
 // Where a token's K and V rows start (load_kv_stage's two address rules).
-template <typename T>
+template <typename E>
 struct KvRows {
-  const T* k;
-  const T* v;
+  const E* k;
+  const E* v;
 };
 
-// Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
-// Copy i of thread x is 16-byte chunk x + i * kThreads of the stage, token-major: where kThreads
-// is a multiple of the kChunks of a row (heads 64, 128, 256), chunk x % kChunks of tokens
-// x / kChunks + i * kThreads / kChunks, its offset added once; at head 96 (12 chunks) the chunk
-// moves from copy to copy. A thread's block ids are loaded first, all at once, and the copies
-// issued after: written as one loop (id, then its copy), nvcc (13.0, sm_90a) keeps each copy
-// waiting on its own id load and a branch, eight dependent load latencies a stage in a row (SASS:
-// LDG.E.CONSTANT -> ~100 instructions -> LDGSTS, eight times; tests/kernels/test_cuda_codegen.py).
-template <typename T, int D, int TOKENS>
-__device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, const int* ids,
-                                              int t0, int t_end, int kv_head) {
-  using S = TileShape<D, TOKENS>;
-  constexpr int kChunks = D / 8;  // 16-byte chunks per token row
-  static_assert((S::kTokens * kChunks) % kThreads == 0, "every thread copies as many chunks");
-  constexpr bool kSameChunk = kThreads % kChunks == 0;
-  constexpr int kPerThread = S::kTokens * kChunks / kThreads;
-  const int mask = (1 << p.block_size_log2) - 1;
-  const int x = threadIdx.x;
-  const auto tok_of = [x](int i) {
+// The chunks of 8 elements (16 bytes of T, 8 of fp8) a thread copies into a stage, token-major:
+// copy i of thread x is chunk x + i * kThreads of the stage. Where kThreads is a multiple of the
+// kChunks of a row (heads 64, 128, 256), chunk x % kChunks of tokens x / kChunks + i * kThreads /
+// kChunks, its offset added once; at head 96 (12 chunks) the chunk moves from copy to copy.
+// load_kv_stage copies them; an fp8 stage's thread converts the same chunks (convert_kv_stage),
+// so it reads only bytes its own cp.async wait covers.
+template <int D, int TOKENS>
+struct StageChunks {
+  static constexpr int kChunks = D / 8;  // chunks per token row
+  static_assert((TOKENS * kChunks) % kThreads == 0, "every thread copies as many chunks");
+  static constexpr bool kSameChunk = kThreads % kChunks == 0;
+  static constexpr int kPerThread = TOKENS * kChunks / kThreads;
+  int x;
+  __device__ int tok(int i) const {
     return kSameChunk ? x / kChunks + i * (kThreads / kChunks) : (x + i * kThreads) / kChunks;
-  };
-  const auto chunk_of = [x](int i) { return kSameChunk ? 0 : (x + i * kThreads) % kChunks; };
-  const int c = kSameChunk ? x % kChunks : 0;  // every copy's chunk, or 0 and chunk_of's
-  int blk[kPerThread];
+  }
+  __device__ int chunk(int i) const { return kSameChunk ? 0 : (x + i * kThreads) % kChunks; }
+  __device__ int first_chunk() const { return kSameChunk ? x % kChunks : 0; }  // every copy's, or 0 and chunk's
+};
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async_chunk(void* dst, const void* src, int src_bytes) {
+  if constexpr (kBytes == 16) cp_async_16(dst, src, src_bytes);
+  else cp_async_8(dst, src, src_bytes);
+}
+
+// Token t of a KV run lives in block ids[t >> log2(block_size)] at row t & (block_size - 1).
+// A thread's block ids are loaded first, all at once, and the copies issued after: written as
+// one loop (id, then its copy), nvcc (13.0, sm_90a) keeps each copy waiting on its own id load
+// and a branch, eight dependent load latencies a stage in a row (SASS: LDG.E.CONSTANT -> ~100
+// instructions -> LDGSTS, eight times; tests/kernels/test_cuda_codegen.py). FP8: sk / sv are the
+// stage's bytes (TileShape::kRawOffset), 8-byte copies.
+template <typename T, int D, int TOKENS, bool FP8>
+__device__ __forceinline__ void load_kv_stage(const TppParams& p, KvElem<T, FP8>* sk, KvElem<T, FP8>* sv,
+                                              const int* ids, int t0, int t_end, int kv_head) {
+  using E = KvElem<T, FP8>;
+  using S = TileShape<D, TOKENS>;
+  using C = StageChunks<D, S::kTokens>;
+  constexpr int kCopyBytes = 8 * int(sizeof(E));
+  const int mask = (1 << p.block_size_log2) - 1;
+  const C chunks{int(threadIdx.x)};
+  const int c = chunks.first_chunk();
+  int blk[C::kPerThread];
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int t = t0 + tok_of(i);
+  for (int i = 0; i < C::kPerThread; ++i) {
+    const int t = t0 + chunks.tok(i);
     blk[i] = t < t_end ? __ldg(ids + (t >> p.block_size_log2)) : 0;
   }
-  const T* key_head = static_cast<const T*>(p.key) + kv_head * p.k_stride_head + c * 8;
-  const T* value_head = static_cast<const T*>(p.value) + kv_head * p.v_stride_head + c * 8;
+  const E* key_head = static_cast<const E*>(p.key) + kv_head * p.k_stride_head + c * 8;
+  const E* value_head = static_cast<const E*>(p.value) + kv_head * p.v_stride_head + c * 8;
   // One loop copies every token; `rows(block id, row in block)` says where its K and V rows are.
   // A token past t_end copies 0 bytes (zero fill) from block 0, row t & mask: an address inside
   // the cache, computed without a branch.
   const auto copy_tokens = [&](const auto& rows) {
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int tok = tok_of(i), t = t0 + tok, ci = chunk_of(i) * 8;
-      const int bytes = t < t_end ? 16 : 0;
-      const KvRows<T> src = rows(blk[i], t & mask);
-      cp_async_16(sk + tok * S::kLd + c * 8 + ci, src.k + ci, bytes);
-      cp_async_16(sv + tok * S::kLd + c * 8 + ci, src.v + ci, bytes);
+    for (int i = 0; i < C::kPerThread; ++i) {
+      const int tok = chunks.tok(i), t = t0 + tok, ci = chunks.chunk(i) * 8;
+      const int bytes = t < t_end ? kCopyBytes : 0;
+      const KvRows<E> src = rows(blk[i], t & mask);
+      cp_async_chunk<kCopyBytes>(sk + tok * S::kLd + c * 8 + ci, src.k + ci, bytes);
+      cp_async_chunk<kCopyBytes>(sv + tok * S::kLd + c * 8 + ci, src.v + ci, bytes);
     }
   };
   if (p.kv_offsets_i32) {
@@ -91,14 +114,31 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
     const int k_block = int(p.k_stride_block), k_tok = int(p.k_stride_tok);
     const uintptr_t v_minus_k = reinterpret_cast<uintptr_t>(p.value) - reinterpret_cast<uintptr_t>(p.key);
     copy_tokens([&](int block, int row) {
-      const T* k = key_head + (block * k_block + row * k_tok);
-      return KvRows<T>{k, reinterpret_cast<const T*>(reinterpret_cast<uintptr_t>(k) + v_minus_k)};
+      const E* k = key_head + (block * k_block + row * k_tok);
+      return KvRows<E>{k, reinterpret_cast<const E*>(reinterpret_cast<uintptr_t>(k) + v_minus_k)};
     });
   } else {
     copy_tokens([&](int block, int row) {
-      return KvRows<T>{key_head + block * p.k_stride_block + int64_t(row) * p.k_stride_tok,
+      return KvRows<E>{key_head + block * p.k_stride_block + int64_t(row) * p.k_stride_tok,
                        value_head + block * p.v_stride_block + int64_t(row) * p.v_stride_tok};
     });
+  }
+}
+
+// An fp8 stage's bytes (rk, rv: K and V, rows of kLd bytes) converted to T into the tile (tk,
+// tv) the MMAs read, each thread the chunks it copied (StageChunks): exact, the scales are
+// applied elsewhere (TppParams::kv_fp8).
+template <typename T, int D, int TOKENS, bool E5M2>
+__device__ __forceinline__ void convert_kv_stage(T* tk, T* tv, const uint8_t* rk, const uint8_t* rv) {
+  using S = TileShape<D, TOKENS>;
+  using C = StageChunks<D, S::kTokens>;
+  const C chunks{int(threadIdx.x)};
+  const int c = chunks.first_chunk();
+#pragma unroll
+  for (int i = 0; i < C::kPerThread; ++i) {
+    const int off = chunks.tok(i) * S::kLd + c * 8 + chunks.chunk(i) * 8;
+    fp8x8_to_smem<T, E5M2>(tk + off, rk + off);
+    fp8x8_to_smem<T, E5M2>(tv + off, rv + off);
   }
 }
 
@@ -107,8 +147,8 @@ __device__ __forceinline__ void load_kv_stage(const TppParams& p, T* sk, T* sv, 
 // row's state to its slot. FINAL = true: rows are q heads of sequence `seq`; merges the row's
 // slots and writes out/lse. seq < 0: a chunk item, whose rows (sharers of a node) each see the
 // run from their own window edge (Smem::row_lo); a tail's range is its row's window already
-// (tail_range).
-template <typename T, int D, int WM, bool FINAL, int TOKENS = TileShape<D>::kTokens>
+// (tail_range). FP8: the cache is fp8 (TppParams::kv_fp8), each stage converted to T in smem.
+template <typename T, int D, int WM, bool FINAL, int TOKENS = TileShape<D>::kTokens, bool FP8 = false>
 __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int* ids, int t_begin,
                             int t_end, int kv_head, int seq) {
   using S = TileShape<D, TOKENS>;
@@ -149,8 +189,14 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
   const int num_tokens = t_end > t_begin ? t_end - t_begin : 0;
   const int num_stages = (num_tokens + S::kTokens - 1) / S::kTokens;
   constexpr int kStageElems = 2 * S::kTokens * kLd;
+  // Where stage s's copies land: its tile (K, then V kTokens rows on), or an fp8 stage's bytes.
+  const auto stage_kv = [&sm](int s) -> KvElem<T, FP8>* {
+    if constexpr (FP8) return reinterpret_cast<uint8_t*>(sm.kv) + S::kRawOffset + s * kStageElems;
+    else return sm.kv + s * kStageElems;
+  };
   if (num_stages > 0)
-    load_kv_stage<T, D, TOKENS>(p, sm.kv, sm.kv + S::kTokens * kLd, ids, t_begin, t_end, kv_head);
+    load_kv_stage<T, D, TOKENS, FP8>(p, stage_kv(0), stage_kv(0) + S::kTokens * kLd, ids, t_begin, t_end,
+                                     kv_head);
   cp_async_commit();
 
   float o[D / 8][4];
@@ -161,16 +207,24 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
 
   for (int it = 0; it < num_stages; ++it) {
     if (it + 1 < num_stages) {
-      T* nxt = sm.kv + ((it + 1) % S::kStages) * kStageElems;
-      load_kv_stage<T, D, TOKENS>(p, nxt, nxt + S::kTokens * kLd, ids,
-                                  t_begin + (it + 1) * S::kTokens, t_end, kv_head);
+      KvElem<T, FP8>* nxt = stage_kv((it + 1) % S::kStages);
+      load_kv_stage<T, D, TOKENS, FP8>(p, nxt, nxt + S::kTokens * kLd, ids,
+                                       t_begin + (it + 1) * S::kTokens, t_end, kv_head);
     }
     cp_async_commit();
     cp_async_wait<1>();
+    if constexpr (FP8) {
+      // Into the first stage's tile: the last stage's MMAs read it before the loop's last barrier.
+      const uint8_t* raw = stage_kv(it % S::kStages);
+      if (p.kv_fp8 == kKvE5m2)
+        convert_kv_stage<T, D, TOKENS, true>(sm.kv, sm.kv + S::kTokens * kLd, raw, raw + S::kTokens * kLd);
+      else
+        convert_kv_stage<T, D, TOKENS, false>(sm.kv, sm.kv + S::kTokens * kLd, raw, raw + S::kTokens * kLd);
+    }
     __syncthreads();
     if (active) {
       const T* sq = sm.q + rb * 16 * kLd;
-      const T* sk = sm.kv + (it % S::kStages) * kStageElems + part * kTokW * kLd;
+      const T* sk = sm.kv + (FP8 ? 0 : it % S::kStages) * kStageElems + part * kTokW * kLd;
       const T* sv = sk + S::kTokens * kLd;
       float s[kTokW / 8][4];
 #pragma unroll
@@ -341,7 +395,7 @@ __device__ void attend_tile(const TppParams& p, const Smem<T, D>& sm, const int*
         l[r] = l[r] * a + fast_exp2(sink2 - ms);
         m2[r] = mn;
       }
-      const float inv = a / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
+      const float inv = a * p.v_scale / fmaxf(l[r], 1e-30f);  // empty row: o = 0 stays 0
       T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + h * p.out_stride_head +
                2 * (lane % 4);
 #pragma unroll

@@ -46,22 +46,22 @@ int device_attribute(int device, int fallback) {
 int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 100); }
 
 // Partial-kernel CTAs the device runs at once (SMs x CTAs per SM), read once per device, dtype,
-// head size and stage size, with the device current. The kernel's __launch_bounds__ minimum (2,
-// or 3 in the compact stage) if the occupancy query fails, or while `stream` is being captured
-// before any eager call asked (no query inside a capture).
-int resident_ctas(int device, bool half, int head_size, cudaStream_t stream) {
-  static int cache[64][2][4][2] = {};
+// KV kind (16-bit or fp8), head size and stage size, with the device current. The kernel's
+// __launch_bounds__ minimum (2, or 3 in the compact stage) if the occupancy query fails, or while
+// `stream` is being captured before any eager call asked (no query inside a capture).
+int resident_ctas(int device, bool half, bool fp8_kv, int head_size, cudaStream_t stream) {
+  static int cache[64][2][2][4][2] = {};
   if (device < 0 || device >= 64) device = 0;
   const int d = head_size == 64 ? 0 : head_size == 96 ? 1 : head_size == 128 ? 2 : 3;
   const int tokens = partial_stage_tokens(head_size);
   const int fallback = partial_min_ctas(head_size, tokens);
-  int& n = cache[device][half ? 1 : 0][d][tokens == default_stage_tokens(head_size) ? 0 : 1];
+  int& n = cache[device][half ? 1 : 0][fp8_kv ? 1 : 0][d][tokens == default_stage_tokens(head_size) ? 0 : 1];
   if (n == 0) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
     if (capture != cudaStreamCaptureStatusNone) return fallback * sm_count(device);
-    const int per_sm = with_tpp_types(half, head_size, [tokens](auto t, auto d) {
-      return tpp_partial_ctas_per_sm<typename decltype(t)::type, decltype(d)::value>(tokens);
+    const int per_sm = with_tpp_types(half, fp8_kv, head_size, [tokens](auto t, auto fp8, auto d) {
+      return tpp_partial_ctas_per_sm<typename decltype(t)::type, decltype(fp8)::value, decltype(d)::value>(tokens);
     });
     n = sm_count(device) * (per_sm > 0 ? per_sm : fallback);
   }
@@ -101,12 +101,13 @@ void tpp_decode_cuda(const TppArgs& a) {
   }
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(query.get_device()).stream();
-  const bool half = query.scalar_type() == at::kHalf;
-  const TppParams p = make_tpp_params(s, a, resident_ctas(query.get_device(), half, int(s.head_size), stream));
+  const bool half = query.scalar_type() == at::kHalf, fp8_kv = is_fp8_kv(a.key_cache);
+  const TppParams p =
+      make_tpp_params(s, a, resident_ctas(query.get_device(), half, fp8_kv, int(s.head_size), stream));
   if (p.num_seqs == 0) return;
 
-  const cudaError_t err = with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
-    return launch_tpp_decode<typename decltype(t)::type, decltype(d)::value>(
+  const cudaError_t err = with_tpp_types(half, fp8_kv, int(s.head_size), [&](auto t, auto fp8, auto d) {
+    return launch_tpp_decode<typename decltype(t)::type, decltype(fp8)::value, decltype(d)::value>(
         p, stream, overlap_final(query.get_device()));
   });
   TORCH_CHECK(err == cudaSuccess, "chunkattn::tpp_decode CUDA launch failed: ", cudaGetErrorString(err));

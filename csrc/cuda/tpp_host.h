@@ -34,16 +34,23 @@ inline int partial_stage_tokens(int64_t head_size) {
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// The kernel's own limits on top of check_tpp_args: fp16/bf16, its head sizes, power-of-two
-// blocks, 16-byte rows for cp.async / ldmatrix, pairs for the float2 / half2 accesses.
+inline bool is_fp8_kv(const at::Tensor& key_cache) {
+  return key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2;
+}
+
+// The kernel's own limits on top of check_tpp_args: fp16/bf16 queries over a cache of their dtype
+// or fp8 (e4m3fn / e5m2, value_cache's dtype is key_cache's), its head sizes, power-of-two
+// blocks, rows of 8-element chunks for cp.async / ldmatrix, pairs for the float2 / half2 accesses.
 inline void check_tensor_core_args(const TppSizes& s, const TppArgs& a) {
   const at::Tensor &query = a.query, &out = a.out;
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
               "tpp_decode: the CUDA TPP kernel takes fp16/bf16 query (tensor cores), got ", dtype,
               "; use kernel='reference' for fp32");
-  TORCH_CHECK(a.key_cache.scalar_type() == dtype && out.scalar_type() == dtype, "tpp_decode: key_cache and out must "
-              "have the query's dtype ", dtype, " on CUDA, got ", a.key_cache.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK((a.key_cache.scalar_type() == dtype || is_fp8_kv(a.key_cache)) && out.scalar_type() == dtype,
+              "tpp_decode: on CUDA key_cache must have the query's dtype ", dtype,
+              " or be float8_e4m3fn / float8_e5m2, and out the query's dtype; got ", a.key_cache.scalar_type(),
+              " and ", out.scalar_type());
   TORCH_CHECK(s.head_size == 64 || s.head_size == 96 || s.head_size == 128 || s.head_size == 256,
               "tpp_decode: head_size must be 64, 96, 128 or 256 on CUDA, got ", s.head_size);
   TORCH_CHECK(s.block_size > 0 && (s.block_size & (s.block_size - 1)) == 0,
@@ -184,10 +191,16 @@ inline TppParams make_tpp_params(const TppSizes& s, const TppArgs& a, int64_t re
   p.num_kv_heads = int(s.num_kv_heads);
   p.group = p.num_heads / p.num_kv_heads;
   p.block_size_log2 = __builtin_ctz(unsigned(s.block_size));
-  p.scale_log2 = a.soft_cap > 0 ? 1.f : float(a.scale) * kLog2e;
+  // An fp8 cache holds K / k_scale and V / v_scale (csrc/tpp_schema.h): q . K = (scale * k_scale)
+  // q . cache, before any soft cap; the output's V weights sum to 1, so v_scale scales it last.
+  const bool fp8 = is_fp8_kv(key_cache);
+  p.kv_fp8 = !fp8 ? kKvNotFp8 : key_cache.scalar_type() == at::kFloat8_e5m2 ? kKvE5m2 : kKvE4m3;
+  const double qk_scale = fp8 ? a.scale * a.k_scale : a.scale;
+  p.v_scale = fp8 ? float(a.v_scale) : 1.f;
+  p.scale_log2 = a.soft_cap > 0 ? 1.f : float(qk_scale) * kLog2e;
   p.sliding_window = int(std::min<int64_t>(a.sliding_window, INT32_MAX));
   p.soft_cap_log2 = a.soft_cap > 0 ? float(a.soft_cap * kLog2e) : 0.f;
-  p.soft_cap_in = a.soft_cap > 0 ? float(a.scale / a.soft_cap) : 0.f;
+  p.soft_cap_in = a.soft_cap > 0 ? float(qk_scale / a.soft_cap) : 0.f;
   p.sinks = a.sinks.has_value() ? a.sinks->data_ptr<float>() : nullptr;
 
   const TppWork w = make_tpp_work(s, plan.node_block_ids.size(0), plan.block_table.size(1), slots, resident_ctas,

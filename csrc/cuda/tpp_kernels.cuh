@@ -73,7 +73,7 @@ __device__ __forceinline__ void seq_rows(const TppParams& p, int64_t* row_q, int
 // One chunk-first item of the partial launch: KV split `split`'s tokens of the node that holds
 // window `win`, for the rows of that window (x = ((split * windows) + win) * head tiles + ht), in
 // smem stages of TOKENS tokens.
-template <typename T, int D, int TOKENS>
+template <typename T, int D, int TOKENS, bool FP8>
 __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>& sm, const ChunkSplits& cs,
                                            int x, int kv_head) {
   const int ht = x % p.chunk_head_tiles;
@@ -110,15 +110,16 @@ __device__ __forceinline__ void chunk_item(const TppParams& p, const Smem<T, D>&
   const int* ids = p.node_block_ids + b0;
   // Fewer rows -> more warps split the KV instead (an empty split still writes m = -inf).
   if (num_rows <= 16)
-    attend_tile<T, D, 1, false, TOKENS>(p, sm, ids, t_begin, t_end, kv_head, -1);
+    attend_tile<T, D, 1, false, TOKENS, FP8>(p, sm, ids, t_begin, t_end, kv_head, -1);
   else if (num_rows <= 32)
-    attend_tile<T, D, 2, false, TOKENS>(p, sm, ids, t_begin, t_end, kv_head, -1);
+    attend_tile<T, D, 2, false, TOKENS, FP8>(p, sm, ids, t_begin, t_end, kv_head, -1);
   else
-    attend_tile<T, D, 4, false, TOKENS>(p, sm, ids, t_begin, t_end, kv_head, -1);
+    attend_tile<T, D, 4, false, TOKENS, FP8>(p, sm, ids, t_begin, t_end, kv_head, -1);
 }
 
-// TOKENS: the partial launch's smem stage (TppParams::partial_stage_tokens, with_partial_stage).
-template <typename T, int D, int TOKENS>
+// TOKENS: the partial launch's smem stage (TppParams::partial_stage_tokens, with_partial_stage);
+// FP8: an fp8 cache (with_tpp_types).
+template <typename T, int D, int TOKENS, bool FP8>
 __global__ void __launch_bounds__(kThreads, partial_min_ctas(D, TOKENS)) tpp_partial_kernel(const TppParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   Smem<T, D> sm(smem_raw, kMaxRows);
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, partial_min_ctas(D, TOKENS)) tpp_par
     const int items = cs.splits * cs.windows * p.chunk_head_tiles;
     for (int x = blockIdx.x; x < items; x += p.chunk_ctas) {
       if (x != int(blockIdx.x)) __syncthreads();  // the last item's smem is read to the end
-      chunk_item<T, D, TOKENS>(p, sm, cs, x, kv_head);
+      chunk_item<T, D, TOKENS, FP8>(p, sm, cs, x, kv_head);
     }
   } else {
     int x = blockIdx.x - p.chunk_ctas;
@@ -142,12 +143,12 @@ __global__ void __launch_bounds__(kThreads, partial_min_ctas(D, TOKENS)) tpp_par
     seq_rows(p, sm.row_q, sm.row_out, seq, kv_head, ht, slot);
     __syncthreads();
     const TailRange t = tail_range<D>(p, seq, split, p.seq_splits);
-    attend_tile<T, D, 1, false, TOKENS>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
+    attend_tile<T, D, 1, false, TOKENS, FP8>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
   }
 }
 
 // TOKENS: the final launch's smem stage (TppParams::final_stage_tokens, with_final_stage).
-template <typename T, int D, int TOKENS>
+template <typename T, int D, int TOKENS, bool FP8>
 __global__ void __launch_bounds__(kThreads, final_min_ctas(D, TOKENS)) tpp_final_kernel(const TppParams p) {
   extern __shared__ __align__(16) char smem_raw[];
   Smem<T, D> sm(smem_raw, 16);
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, final_min_ctas(D, TOKENS)) tpp_final
   seq_rows(p, sm.row_q, sm.row_out, seq, kv_head, ht, -1);
   __syncthreads();
   const TailRange t = tail_range<D>(p, seq, 0, p.seq_splits);  // split bounds: the default stage
-  attend_tile<T, D, 1, true, TOKENS>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
+  attend_tile<T, D, 1, true, TOKENS, FP8>(p, sm, t.ids, t.t_begin, t.t_end, kv_head, seq);
 }
 
 // Calls f(std::integral_constant<int, TOKENS>{}) with a launch's stage size: the compact stage
@@ -198,19 +199,19 @@ inline TppLaunchShape tpp_launch_shape(const TppParams& p) {
 // overlap_final (sm_90+): the final launch is a programmatic dependent of the partial one, so
 // its CTAs take the SMs the partial launch's last wave leaves idle and attend their private tails
 // meanwhile; they wait for the partial grid before merging its slots (wait_for_primary_grid).
-template <typename T, int D>
+template <typename T, bool FP8, int D>
 cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool overlap_final) {
   const TppLaunchShape shape = tpp_launch_shape<D>(p);
   // Opting in to > 48 KB of dynamic smem is a host-side attribute of the current context, not a
   // stream op (allowed while a graph is captured): set on every launch, so a new context (after
   // a device reset) or another thread never launches without it.
   void (*partial_kernel)(TppParams) =
-      with_partial_stage<D>(p, [](auto tokens) { return &tpp_partial_kernel<T, D, decltype(tokens)::value>; });
+      with_partial_stage<D>(p, [](auto tokens) { return &tpp_partial_kernel<T, D, decltype(tokens)::value, FP8>; });
   cudaError_t attr = cudaFuncSetAttribute(partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           shape.partial_smem);
   if (attr != cudaSuccess) return attr;
   void (*final_kernel)(TppParams) =
-      with_final_stage<D>(p, [](auto tokens) { return &tpp_final_kernel<T, D, decltype(tokens)::value>; });
+      with_final_stage<D>(p, [](auto tokens) { return &tpp_final_kernel<T, D, decltype(tokens)::value, FP8>; });
   attr = cudaFuncSetAttribute(final_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape.final_smem);
   if (attr != cudaSuccess) return attr;
   if (shape.partial_grid_x > 0) {
@@ -238,11 +239,11 @@ cudaError_t launch_tpp_decode(const TppParams& p, cudaStream_t stream, bool over
 // registers and shared memory both counted (ptxas, sm_90a, head 128: 242 registers and 88,064
 // bytes of smem allow 2 in the default stage, the compact stage's 168 and 54,016 allow 3), 0 if
 // the runtime cannot tell. The split choice (tpp_host.h) sizes its waves by it.
-template <typename T, int D>
+template <typename T, bool FP8, int D>
 int tpp_partial_ctas_per_sm(int tokens) {
   return with_stage<D>(tokens, [](auto t) {
     constexpr int kTokens = decltype(t)::value;
-    void (*kernel)(TppParams) = &tpp_partial_kernel<T, D, kTokens>;
+    void (*kernel)(TppParams) = &tpp_partial_kernel<T, D, kTokens, FP8>;
     const int smem = TileShape<D, kTokens>::smem_bytes(kMaxRows);
     int n = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
@@ -254,20 +255,23 @@ int tpp_partial_ctas_per_sm(int tokens) {
   });
 }
 
-// One dtype's instantiations: PREFIX empty in tpp_kernels_{fp16,bf16}.cu (one file per dtype so
-// the two compile in parallel), `extern` for every other includer; the signatures live here only.
-#define CHUNKATTN_TPP_INSTANCES(PREFIX, T)                                                        \
-  PREFIX template cudaError_t launch_tpp_decode<T, 64>(const TppParams&, cudaStream_t, bool);  \
-  PREFIX template cudaError_t launch_tpp_decode<T, 96>(const TppParams&, cudaStream_t, bool);  \
-  PREFIX template cudaError_t launch_tpp_decode<T, 128>(const TppParams&, cudaStream_t, bool); \
-  PREFIX template cudaError_t launch_tpp_decode<T, 256>(const TppParams&, cudaStream_t, bool); \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 64>(int);                                      \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 96>(int);                                      \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 128>(int);                                     \
-  PREFIX template int tpp_partial_ctas_per_sm<T, 256>(int);
+// One (query dtype, KV kind)'s instantiations: PREFIX empty in tpp_kernels_{fp16,bf16}{,_fp8kv}.cu
+// (one file each so they compile in parallel), `extern` for every other includer; the signatures
+// live here only.
+#define CHUNKATTN_TPP_INSTANCES(PREFIX, T, FP8)                                                       \
+  PREFIX template cudaError_t launch_tpp_decode<T, FP8, 64>(const TppParams&, cudaStream_t, bool);  \
+  PREFIX template cudaError_t launch_tpp_decode<T, FP8, 96>(const TppParams&, cudaStream_t, bool);  \
+  PREFIX template cudaError_t launch_tpp_decode<T, FP8, 128>(const TppParams&, cudaStream_t, bool); \
+  PREFIX template cudaError_t launch_tpp_decode<T, FP8, 256>(const TppParams&, cudaStream_t, bool); \
+  PREFIX template int tpp_partial_ctas_per_sm<T, FP8, 64>(int);                                      \
+  PREFIX template int tpp_partial_ctas_per_sm<T, FP8, 96>(int);                                      \
+  PREFIX template int tpp_partial_ctas_per_sm<T, FP8, 128>(int);                                     \
+  PREFIX template int tpp_partial_ctas_per_sm<T, FP8, 256>(int);
 #ifndef CHUNKATTN_INSTANTIATE
-CHUNKATTN_TPP_INSTANCES(extern, __half)
-CHUNKATTN_TPP_INSTANCES(extern, __nv_bfloat16)
+CHUNKATTN_TPP_INSTANCES(extern, __half, false)
+CHUNKATTN_TPP_INSTANCES(extern, __nv_bfloat16, false)
+CHUNKATTN_TPP_INSTANCES(extern, __half, true)
+CHUNKATTN_TPP_INSTANCES(extern, __nv_bfloat16, true)
 #endif
 #endif  // CHUNKATTN_SIMT_EMULATION
 

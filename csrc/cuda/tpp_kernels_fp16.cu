@@ -1,7 +1,8 @@
-// Explicit instantiations of the fp16 TPP kernels (one file per dtype so nvcc jobs run in parallel).
+// Explicit instantiations of the fp16 TPP kernels over an fp16 KV cache (one file per query dtype
+// and KV kind so nvcc jobs run in parallel).
 #define CHUNKATTN_INSTANTIATE
 #include "tpp_kernels.cuh"
 
 namespace chunkattn {
-CHUNKATTN_TPP_INSTANCES(, __half)
+CHUNKATTN_TPP_INSTANCES(, __half, false)
 }  // namespace chunkattn

@@ -43,6 +43,11 @@ struct TileShape {
   // A final CTA's list of the slots it merges, after the merge buffer in the idle KV stages
   // (tpp_slot_merge.cuh, list_row_slots): this many at a time.
   static constexpr int kSlotListCap = (kKvBytes - kRedBytes) / 4;
+  // An fp8 cache's stages land as bytes (kStages x (K + V) x kTokens x kLd) in the second half
+  // of the KV region; each is converted into the first stage's tile, which the MMAs read: the
+  // same smem as a 16-bit cache.
+  static constexpr int kRawOffset = kKvBytes / 2;
+  static_assert(kStages * 2 * kTokens * kLd <= kKvBytes - kRawOffset, "fp8 stages fit");
   static constexpr int smem_bytes(int max_rows) {
     return ((kMetaBytes + 15) / 16) * 16 + max_rows * kLd * 2 + kKvBytes;
   }
@@ -87,22 +92,29 @@ constexpr int partial_min_ctas(int head_size, int tokens) {
   return tokens < default_stage_tokens(head_size) ? 3 : 2;
 }
 
-// The one dispatch over the kernel's instantiations (fp16 / bf16 x head 64 / 96 / 128 / 256; the
-// op checked the head size): calls f(DtypeTag<T>{}, std::integral_constant<int, D>{}).
+// The KV cache's element type: the query's 16-bit type, or fp8 (which one: TppParams::kv_fp8),
+// dequantized to it as each stage lands in smem.
+enum KvFp8 : int { kKvNotFp8 = 0, kKvE4m3 = 1, kKvE5m2 = 2 };
+
+// The one dispatch over the kernel's instantiations (fp16 / bf16 queries x 16-bit / fp8 KV x
+// head 64 / 96 / 128 / 256; the op checked the head size): calls
+// f(DtypeTag<T>{}, std::bool_constant<FP8>{}, std::integral_constant<int, D>{}).
 template <typename T>
 struct DtypeTag {
   using type = T;
 };
 template <typename F>
-decltype(auto) with_tpp_types(bool half, int head_size, F&& f) {
-  using I64 = std::integral_constant<int, 64>;
-  using I96 = std::integral_constant<int, 96>;
-  using I128 = std::integral_constant<int, 128>;
-  using I256 = std::integral_constant<int, 256>;
-  if (head_size == 64) return half ? f(DtypeTag<__half>{}, I64{}) : f(DtypeTag<__nv_bfloat16>{}, I64{});
-  if (head_size == 96) return half ? f(DtypeTag<__half>{}, I96{}) : f(DtypeTag<__nv_bfloat16>{}, I96{});
-  if (head_size == 128) return half ? f(DtypeTag<__half>{}, I128{}) : f(DtypeTag<__nv_bfloat16>{}, I128{});
-  return half ? f(DtypeTag<__half>{}, I256{}) : f(DtypeTag<__nv_bfloat16>{}, I256{});
+decltype(auto) with_tpp_types(bool half, bool fp8_kv, int head_size, F&& f) {
+  const auto with_dtypes = [&](auto d) -> decltype(auto) {
+    using H = DtypeTag<__half>;
+    using B = DtypeTag<__nv_bfloat16>;
+    if (fp8_kv) return half ? f(H{}, std::true_type{}, d) : f(B{}, std::true_type{}, d);
+    return half ? f(H{}, std::false_type{}, d) : f(B{}, std::false_type{}, d);
+  };
+  if (head_size == 64) return with_dtypes(std::integral_constant<int, 64>{});
+  if (head_size == 96) return with_dtypes(std::integral_constant<int, 96>{});
+  if (head_size == 128) return with_dtypes(std::integral_constant<int, 128>{});
+  return with_dtypes(std::integral_constant<int, 256>{});
 }
 
 // ---- Chunk-first KV splits: one rule, run by the host on an exact plan's shapes
@@ -196,6 +208,11 @@ struct TppParams : PlanArrays {
   int sliding_window;
   float soft_cap_log2, soft_cap_in;
   const float* sinks;
+  // An fp8 cache (kv_fp8 = kKvE4m3 / kKvE5m2; kKvNotFp8: K and V are the query's type): the
+  // values are read as they are, k_scale is folded into scale_log2 / soft_cap_in and v_scale
+  // multiplies the normalised output (1 for other caches).
+  int kv_fp8;
+  float v_scale;
   // Work decomposition, chosen on the host from host ints only (graph-safe).
   int chunk_splits, seq_splits;
   int chunk_heads, chunk_head_tiles, chunk_seqs, num_windows;

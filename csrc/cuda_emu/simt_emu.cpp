@@ -39,6 +39,7 @@ enum class Wait { kRunnable, kSyncthreads, kWarp, kDone };
 
 struct PendingCopy {
   void* dst;
+  int size;
   unsigned char data[16];
 };
 
@@ -229,15 +230,16 @@ void check_global(const void* p, int bytes, int align, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % align != 0) fail((std::string(what) + " misaligned").c_str());
 }
 
-void cp_async(void* dst, const void* src, int src_bytes) {
-  check_shared(dst, 16, 16, "cp.async destination");
-  if (src_bytes < 0 || src_bytes > 16) fail("cp.async src-size not in [0, 16]");
-  PendingCopy c{dst, {}};
+void cp_async(void* dst, const void* src, int size, int src_bytes) {
+  if (size != 4 && size != 8 && size != 16) fail("cp.async cp-size not 4, 8 or 16");
+  check_shared(dst, size, size, "cp.async destination");
+  if (src_bytes < 0 || src_bytes > size) fail("cp.async src-size not in [0, cp-size]");
+  PendingCopy c{dst, size, {}};
   if (src_bytes > 0) {
-    check_global(src, src_bytes, 16, "cp.async source");
+    check_global(src, src_bytes, size, "cp.async source");
     std::memcpy(c.data, src, src_bytes);
   }
-  if (g->options.cp_async_lands_at_issue) std::memcpy(dst, c.data, 16);
+  if (g->options.cp_async_lands_at_issue) std::memcpy(dst, c.data, size);
   else current().open.push_back(c);
 }
 
@@ -250,7 +252,7 @@ void cp_async_commit() {
 void cp_async_wait(int pending) {
   Fiber& f = current();
   while (int(f.committed.size()) > pending) {
-    for (const PendingCopy& c : f.committed.front()) std::memcpy(c.dst, c.data, 16);
+    for (const PendingCopy& c : f.committed.front()) std::memcpy(c.dst, c.data, c.size);
     f.committed.pop_front();
   }
 }

@@ -15,6 +15,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cfloat>
@@ -88,7 +90,8 @@ const LaneOperands* warp_exchange(const LaneOperands& mine);
 void warp_done();
 void syncthreads();
 
-void cp_async(void* dst, const void* src, int src_bytes);
+// cp.async of `size` bytes (4, 8 or 16), the first src_bytes of them read, the rest zero.
+void cp_async(void* dst, const void* src, int size, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
 
@@ -128,7 +131,8 @@ extern char smem_raw[];  // the dynamic shared memory of the CTA running now
 
 // ---- the functions of csrc/cuda/tpp_ptx.cuh ----
 
-inline void cp_async_16(void* dst, const void* src, int src_bytes) { simt::cp_async(dst, src, src_bytes); }
+inline void cp_async_16(void* dst, const void* src, int src_bytes) { simt::cp_async(dst, src, 16, src_bytes); }
+inline void cp_async_8(void* dst, const void* src, int src_bytes) { simt::cp_async(dst, src, 8, src_bytes); }
 inline void cp_async_commit() { simt::cp_async_commit(); }
 // The emulation runs the final launch after the partial one has ended; what it checks is that a
 // final CTA reads the partial slots only after it waited (LaunchOptions::primary_grid_done).
@@ -209,6 +213,20 @@ inline float fast_exp2(float x) {
 template <typename T>
 inline uint32_t pack2(float lo, float hi) {  // round to nearest even, lo in the low half
   return uint32_t(T(lo).x) | uint32_t(T(hi).x) << 16;
+}
+
+// Eight fp8 values of shared memory as eight T, through c10's fp8 types (every e4m3 / e5m2 value
+// is exact in fp16 and bf16): an independent conversion, so a wrong one in the kernel's
+// tpp_ptx.cuh is not copied here. Both addresses are checked.
+template <typename T, bool E5M2>
+inline void fp8x8_to_smem(T* dst, const uint8_t* src) {
+  simt::check_shared(src, 8, 8, "fp8 stage read");
+  simt::check_shared(dst, 16, 16, "fp8 stage write");
+  for (int i = 0; i < 8; ++i) {
+    const float v = E5M2 ? float(c10::Float8_e5m2(src[i], c10::Float8_e5m2::from_bits()))
+                         : float(c10::Float8_e4m3fn(src[i], c10::Float8_e4m3fn::from_bits()));
+    dst[i] = T(v);
+  }
 }
 
 template <typename T>

@@ -31,7 +31,7 @@ int g_last_kv_offsets_i32 = -1;
 // The final launch as the GPU may run it beside the partial one (overlap_final): each final CTA
 // finds the workspace's slots NaN until it waits for the partial grid, then their real values.
 // `workspace`: the byte ranges of partial_o / m / l.
-template <typename T, int D>
+template <typename T, bool FP8, int D>
 void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, const simt::LaunchOptions& o,
              const std::vector<simt::GlobalRange>& workspace) {
   const TppLaunchShape shape = tpp_launch_shape<D>(p);
@@ -39,7 +39,7 @@ void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, 
   if (shape.partial_grid_x > 0)
     with_partial_stage<D>(p, [&](auto tokens) {
       simt::launch(shape.partial_grid_x, p.num_kv_heads, kThreads, shape.partial_smem,
-                   [&p] { tpp_partial_kernel<T, D, decltype(tokens)::value>(p); }, globals, o);
+                   [&p] { tpp_partial_kernel<T, D, decltype(tokens)::value, FP8>(p); }, globals, o);
     });
   if (shape.final_grid_x > 0) {
     std::vector<std::vector<char>> written;
@@ -55,7 +55,7 @@ void emulate(const TppParams& p, const std::vector<simt::GlobalRange>& globals, 
     };
     with_final_stage<D>(p, [&](auto tokens) {
       simt::launch(shape.final_grid_x, p.num_kv_heads, kThreads, shape.final_smem,
-                   [&p] { tpp_final_kernel<T, D, decltype(tokens)::value>(p); }, globals, dependent);
+                   [&p] { tpp_final_kernel<T, D, decltype(tokens)::value, FP8>(p); }, globals, dependent);
     });
     dependent.primary_grid_done();  // the workspace as the partial launch left it
   }
@@ -76,8 +76,8 @@ void tpp_decode_emulated(const TppArgs& a, int64_t resident_ctas, int64_t seed, 
   o.seed = unsigned(seed);
   o.cp_async_lands_at_issue = cp_async_lands_at_issue;
   const bool half = a.query.scalar_type() == at::kHalf;
-  with_tpp_types(half, int(s.head_size), [&](auto t, auto d) {
-    emulate<typename decltype(t)::type, decltype(d)::value>(
+  with_tpp_types(half, is_fp8_kv(a.key_cache), int(s.head_size), [&](auto t, auto fp8, auto d) {
+    emulate<typename decltype(t)::type, decltype(fp8)::value, decltype(d)::value>(
         p, globals, o, {bytes_of(a.partial_o), bytes_of(a.partial_m), bytes_of(a.partial_l)});
   });
 }

@@ -4,7 +4,8 @@ back, before the stage's copies. Written as one loop (an id, then the copy that 
 13.0 kept every copy waiting on its own id load: 1-2 id loads in a row in every kernel, i.e. one
 dependent load latency per token a thread copies, 8 per stage at head 128 (the H100's Nsight
 Compute run put the paper point's partial kernel at 52 % of DRAM throughput, its final kernel's
-largest stall on long scoreboard). No GPU needed: nvcc and cuobjdump (Triton's copy will do)."""
+largest stall on long scoreboard). The same over an fp8 cache, whose stages are 8-byte copies.
+No GPU needed: nvcc and cuobjdump (Triton's copy will do)."""
 from __future__ import annotations
 
 import os
@@ -48,13 +49,14 @@ def longest_id_load_runs(sass: str) -> dict[str, int]:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None,
                     reason="needs nvcc and cuobjdump")
-def test_a_stages_block_id_loads_issue_together_before_its_copies(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp16_kv", "fp8_kv"])
+def test_a_stages_block_id_loads_issue_together_before_its_copies(tmp_path, fp8):
     import sys
 
     cubin = tmp_path / "fp16.cubin"
+    src = "csrc/cuda/tpp_kernels_fp16_fp8kv.cu" if fp8 else "csrc/cuda/tpp_kernels_fp16.cu"
     r = subprocess.run(["bash", str(ROOT / ".ci" / "compile_cuda.sh"), sys.executable],
-                       env={**os.environ, "CUBIN": str(cubin),
-                            "CUBIN_SRC": "csrc/cuda/tpp_kernels_fp16.cu"},
+                       env={**os.environ, "CUBIN": str(cubin), "CUBIN_SRC": src},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
@@ -68,9 +70,10 @@ def test_a_stages_block_id_loads_issue_together_before_its_copies(tmp_path):
               ((64, 64), (64, 32), (96, 64), (96, 32), (128, 64), (128, 32), (256, 32))}
     got = {}
     for name, best in runs.items():
-        m = re.match(r"_ZN9chunkattn\d+tpp_(partial|final)_kernelI6__halfLi(\d+)E(?:Li(\d+)E)?", name)
-        assert m, name
-        got[(m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else None)] = best
+        m = re.match(r"_ZN9chunkattn\d+tpp_(partial|final)_kernelI6__halfLi(\d+)ELi(\d+)ELb([01])E",
+                     name)
+        assert m and m.group(4) == str(int(fp8)), name
+        got[(m.group(1), int(m.group(2)), int(m.group(3)))] = best
     assert got == expect, got
 
 

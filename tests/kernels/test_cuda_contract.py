@@ -124,6 +124,8 @@ def test_jit_build_dirs_are_keyed_under_the_chosen_root(monkeypatch, tmp_path):
 def test_jit_sources_include_the_host_plan_check():
     names = [p.name for p in jit_build._sources(ROOT / "csrc")]
     assert {"torch_bindings.cpp", "tpp_checks.cpp", "tpp_decode.cpp", "tpp_decode.cu"} <= set(names)
+    # Each (query dtype, KV kind)'s kernel instantiations (tpp_kernels.cuh declares them extern).
+    assert {f"tpp_kernels_{q}{kv}.cu" for q in ("fp16", "bf16") for kv in ("", "_fp8kv")} <= set(names)
 
 
 def test_setup_builds_sm80_and_sm90a(monkeypatch):
@@ -194,6 +196,17 @@ def test_head_256_is_refused_where_a_block_gets_99_kb(monkeypatch):
     reasons = _validate_on_gpu(monkeypatch, (8, 9), 256, L4_SMEM)
     assert reasons == ["head_size 256 needs 102400 bytes of shared memory per block in the CUDA "
                        "TPP kernel, this GPU (8.9) allows 101376"]
+
+
+@pytest.mark.parametrize("kv,model,per_head,refused", [
+    ("auto", torch.float32, False, None), ("bfloat16", torch.bfloat16, True, None),
+    ("fp8", torch.bfloat16, False, None), ("fp8_e4m3", "float16", False, None),
+    ("fp8_e5m2", torch.float16, False, None), ("fp8", torch.float32, False, "float32 model"),
+    ("fp8_inc", torch.bfloat16, False, "fp8_inc KV cache"), ("fp8", torch.float16, True, "per-head")])
+def test_the_fp8_caches_the_cuda_kernel_reads(kv, model, per_head, refused):
+    from vllm_chunkattn.ops import cuda_fit
+    reason = cuda_fit.fp8_refusal(kv, model, per_head)
+    assert reason is None if refused is None else refused in reason
 
 
 def test_below_sm80_is_refused_at_selection(monkeypatch):

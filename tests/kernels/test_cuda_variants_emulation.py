@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from vllm_chunkattn.bench.cuda_work import split_spare_slots, tpp_work
-from vllm_chunkattn.bench.tree_batches import (TC_LSE_TOL, TC_TOL, pad_batch, poison_unread_kv,
+from vllm_chunkattn.bench.tree_batches import (TC_LSE_TOL, TC_TOL, padded_to_capacity, poison_unread_kv,
                                                random_tree_batch)
 from vllm_chunkattn.ops.reference import dense_decode_oracle
-from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.plan.capacity import PlanCapacity, pad_plan
+from vllm_chunkattn.plan import PlanCapacity, build_plan
 
 from test_cuda_simt_emulation import H100_RESIDENT_CTAS, run
 
@@ -157,15 +156,11 @@ def test_a_padded_plan_with_a_window(emu):
     b = random_tree_batch(7, max_seqs=10, fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2,
                           num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16)
     n, rows, width = b.query.shape[0], 12, 12
-    cap = PlanCapacity.for_batch(rows, width)
-    pad_batch(b, rows, width)
-    plan = pad_plan(build_plan(b.block_table, b.seq_lens, b.block_size,
-                               max_partials=cap.num_partials, max_node_blocks=cap.num_node_blocks),
-                    cap)
+    plan, cap = padded_to_capacity(b, rows, width), PlanCapacity.for_batch(rows, width)
     window = 50
     assert {"in_node", "past_node", "in_tail"} <= window_cases(b, plan, window)
-    work = tpp_work(emu, rows, 8, 2, b.block_size, cap.num_nodes, cap.num_partials,
-                    cap.num_node_blocks, width, cap.num_partials, H100_RESIDENT_CTAS, window)
+    work = tpp_work(emu, rows, 8, 2, b.block_size, cap.num_nodes, plan.num_partials,
+                    cap.num_node_blocks, width, plan.num_partials, H100_RESIDENT_CTAS, window)
     assert work["device_splits"] == 1
     sinks = sinks_for(8, 4)
     out, lse = run(emu, b, plan, sliding_window=window, sinks=sinks)

@@ -13,7 +13,8 @@ from vllm_chunkattn.plan import TppPlan, build_plan, empty_plan
 from vllm_chunkattn.bench.cuda_work import split_spare_slots
 from vllm_chunkattn.bench.tree_batches import (COMPACT_STAGE_CASES, TC_TOL, TREE_SPECS,
                                                assert_matches_reference, caterpillar_batch,
-                                               named_tree, pad_batch, poison_unread_kv,
+                                               named_tree, pad_batch, padded_to_capacity,
+                                               poison_unread_kv,
                                                random_tree_batch, value_cache_elsewhere)
 
 pytestmark = [pytest.mark.gpu,
@@ -288,6 +289,22 @@ def replay_captured(step, query, out):
     out.fill_(float("nan"))
     replay()
     torch.cuda.synchronize()
+
+
+def replay_padded_plan(ops, b, rows: int, **variant):
+    """b padded to `rows` rows of `rows` blocks, its capacity-padded plan's op call (with
+    `variant`'s keyword arguments) captured and replayed as replay_captured does: (out, lse)."""
+    plan = padded_to_capacity(b, rows, rows)
+    num_heads, head_size = b.query.shape[1:]
+    ws = workspace(plan.num_partials + 8 * rows, num_heads, head_size)
+    out = torch.empty_like(b.query)
+    lse = torch.empty(rows, num_heads, device="cuda")
+
+    def step():
+        ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
+                       *plan.tensors(), *ws, b.scale, out, lse, **variant)
+    replay_captured(step, b.query, out)
+    return out, lse
 
 
 def test_cuda_graph_replay(ops):

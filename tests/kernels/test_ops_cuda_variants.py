@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from vllm_chunkattn.bench.cuda_work import split_spare_slots
-from vllm_chunkattn.bench.tree_batches import pad_batch, poison_unread_kv, random_tree_batch
+from vllm_chunkattn.bench.tree_batches import poison_unread_kv, random_tree_batch
 from vllm_chunkattn.plan import build_plan
-from vllm_chunkattn.plan.capacity import PlanCapacity, pad_plan
 
 from test_cuda_variants_emulation import LONG, SHARED, WIDE, check, oracle, sinks_for, window_cases
-from test_ops_cuda import ops, replay_captured, run, workspace  # noqa: F401  (ops: a fixture)
+from test_ops_cuda import ops, replay_padded_plan, run  # noqa: F401  (ops: a fixture)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -64,20 +63,8 @@ def test_cuda_graph_replays_a_padded_plan_under_a_window(ops):
     b = random_tree_batch(7, max_seqs=10, fanouts=[3, 4], max_node_blocks=3, max_private_blocks=2,
                           num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.float16,
                           device="cuda")
-    n, rows, width = b.query.shape[0], 12, 12
-    cap = PlanCapacity.for_batch(rows, width)
-    pad_batch(b, rows, width)
-    plan = pad_plan(build_plan(b.block_table.cpu(), b.seq_lens.cpu(), b.block_size,
-                               max_partials=cap.num_partials, max_node_blocks=cap.num_node_blocks),
-                    cap).to("cuda")
+    n = b.query.shape[0]
     v = variant(50, 0.0, 16, 4)
-    ws = workspace(cap.num_partials + 8 * rows, 16, 128)
-    out = torch.empty_like(b.query)
-    lse = torch.empty(rows, 16, device="cuda")
-
-    def step():
-        ops.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                       *plan.tensors(), *ws, b.scale, out, lse, **v)
-    replay_captured(step, b.query, out)
+    out, lse = replay_padded_plan(ops, b, 12, **v)
     check(b, out, lse, **v)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kv_layout import alloc_kv_cache, kv_cache_views
+from ..plan import PlanCapacity, TppPlan, build_plan, pad_plan
 
 
 @dataclass
@@ -219,3 +220,13 @@ def assert_matches_reference(b: TreeBatch, plan, out: torch.Tensor, lse: torch.T
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out, ref, **TC_TOL[b.query.dtype])
     torch.testing.assert_close(lse, ref_lse, **TC_LSE_TOL[b.query.dtype])
+
+
+def padded_to_capacity(b: TreeBatch, rows: int, width: int) -> TppPlan:
+    """Pads `b` to `rows` rows of `width` blocks (pad_batch) and returns its plan padded to that
+    batch's capacities (plan/capacity.py), on b's device: the plan a captured graph replays."""
+    cap = PlanCapacity.for_batch(rows, width)
+    pad_batch(b, rows, width)
+    plan = build_plan(b.block_table.cpu(), b.seq_lens.cpu(), b.block_size,
+                      max_partials=cap.num_partials, max_node_blocks=cap.num_node_blocks)
+    return pad_plan(plan, cap).to(b.query.device)

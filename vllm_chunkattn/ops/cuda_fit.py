@@ -17,6 +17,11 @@ NEEDS_CAPABILITY = (f"compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[
 # tests/kernels/test_cuda_simt_emulation.py checks these against it.
 PARTIAL_SMEM_BYTES = {64: 47104, 96: 67584, 128: 88064, 256: 102400}
 
+# fp8 KV caches the kernel reads in place (vLLM's --kv-cache-dtype; "fp8" is e4m3 on CUDA), with
+# per-tensor k/v scales, under fp16 or bf16 models: each stage is converted to the model's dtype
+# in the shared memory a 16-bit cache's stages take, so the table above holds for them too.
+CUDA_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 def refusal(capability: tuple[int, int], head_size: int, smem_per_block_optin: int) -> str | None:
     """Why the kernel cannot serve this head size on a GPU of this compute capability and
@@ -30,4 +35,23 @@ def refusal(capability: tuple[int, int], head_size: int, smem_per_block_optin: i
         return (f"head_size {head_size} needs {need} bytes of shared memory per block in the CUDA "
                 f"TPP kernel, this GPU ({capability[0]}.{capability[1]}) allows "
                 f"{smem_per_block_optin}")
+    return None
+
+
+def fp8_refusal(kv_cache_dtype: str, model_dtype, per_head_quant_scales: bool = False
+                ) -> str | None:
+    """Why the kernel cannot read a KV cache of this fp8 kind for a model of this dtype
+    (torch.dtype or its name), or None when it can (and for caches that are not fp8)."""
+    if not kv_cache_dtype.startswith("fp8"):
+        return None
+    model = str(model_dtype).removeprefix("torch.")
+    if kv_cache_dtype not in CUDA_FP8_KV_CACHE_DTYPES:
+        return (f"an {kv_cache_dtype} KV cache in the CUDA TPP kernel (it reads "
+                f"{', '.join(CUDA_FP8_KV_CACHE_DTYPES)})")
+    if model not in ("float16", "bfloat16"):
+        return (f"an {kv_cache_dtype} KV cache under a {model} model in the CUDA TPP kernel "
+                "(fp16 / bf16 models only)")
+    if per_head_quant_scales:
+        return (f"per-head scales of an {kv_cache_dtype} KV cache in the CUDA TPP kernel "
+                "(per-tensor only)")
     return None
