@@ -339,9 +339,11 @@ class ChunkAttnImpl(AttentionImpl):
         nd = md.num_decodes
         if nd:
             key_cache, value_cache = self._kv_views(kv_cache)
+            # An fp8 cache's per-tensor scales: the layer's, as vLLM's own backend reads them.
+            scales = ((layer._k_scale_float, layer._v_scale_float) if self.fp8_dtype is not None
+                      else (1.0, 1.0))
             md.decode.run(query[:nd], key_cache, value_cache, self.scale, output[:nd], None,
-                          self.sliding_window, self.soft_cap, self._sinks_for_kernel(),
-                          layer._k_scale_float, layer._v_scale_float)
+                          self.sliding_window, self.soft_cap, self._sinks_for_kernel(), *scales)
             # (layers run one after another, so all share the process's default workspace)
         if md.prefill is not None:
             end = md.num_actual_tokens
