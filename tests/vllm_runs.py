@@ -70,3 +70,16 @@ def assert_native_kernel(log, device: str = "cpu", ranks: int | None = None) -> 
 def assert_not_custom(log: str) -> None:
     """The stock side of an A/B really ran vLLM's own backend."""
     assert not KERNEL_IN_USE.search(log), "the stock run used CUSTOM"
+
+
+def assert_same_outputs(stock, custom, atol=1e-4):
+    """Two run_llm results: the same token ids, logprobs within atol, request by request."""
+    assert len(stock["groups"]) == len(custom["groups"])
+    for g_stock, g_custom in zip(stock["groups"], custom["groups"]):
+        assert len(g_stock) == len(g_custom)
+        for i, (a, b) in enumerate(zip(g_stock, g_custom)):
+            assert len(a) == len(b)
+            for ca, cb in zip(a, b):
+                assert ca["token_ids"] == cb["token_ids"], f"request {i}: tokens differ"
+                diff = max(abs(x - y) for x, y in zip(ca["logprobs"], cb["logprobs"]))
+                assert diff <= atol, f"request {i}: logprob differs by {diff}"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from families.models import FAMILIES, token_prompts, vllm_job
-from vllm_runs import assert_native_kernel, assert_not_custom, run_llm
+from vllm_runs import assert_native_kernel, assert_not_custom, assert_same_outputs, run_llm
 
 pytestmark = pytest.mark.vllm
 
@@ -34,12 +34,7 @@ def test_custom_matches_stock_on_family(name, tmp_path):
     custom = run_llm(job(name, "CUSTOM"), tmp_path)
     assert_not_custom(stock["log"])
     assert_native_kernel(custom["log"])
-    for group_stock, group_custom in zip(stock["groups"], custom["groups"], strict=True):
-        for i, (a, b) in enumerate(zip(group_stock, group_custom, strict=True)):
-            for ca, cb in zip(a, b, strict=True):
-                assert ca["token_ids"] == cb["token_ids"], f"{name} request {i}: tokens differ"
-                diff = max(abs(x - y) for x, y in zip(ca["logprobs"], cb["logprobs"]))
-                assert diff <= 1e-3, f"{name} request {i}: logprob differs by {diff}"
+    assert_same_outputs(stock, custom, atol=1e-3)
     assert len({tuple(c["token_ids"]) for c in custom["groups"][1][0]}) > 1   # n=3 diverge
 
 
@@ -60,10 +55,7 @@ def test_custom_matches_stock_under_preemption(name, tmp_path):
         "CHUNKATTN_TREE_STATS_FILE": str(tmp_path / "tree.json"), "CHUNKATTN_STATS_INTERVAL_S": "0",
         "CHUNKATTN_DEBUG_TREE": "1"})
     assert_native_kernel(custom["log"])
-    for i, (a, b) in enumerate(zip(stock["groups"][0], custom["groups"][0], strict=True)):
-        assert a[0]["token_ids"] == b[0]["token_ids"], f"{name} request {i}: tokens differ"
-        diff = max(abs(x - y) for x, y in zip(a[0]["logprobs"], b[0]["logprobs"]))
-        assert diff <= 1e-3, f"{name} request {i}: logprob differs by {diff}"
+    assert_same_outputs(stock, custom, atol=1e-3)
     tree = json.loads((tmp_path / "tree.json").read_text())
     assert tree["preemptions"] > 0, tree                    # the pool really was too small
     assert tree["invariant_checks"] >= tree["steps"] > 0

@@ -9,7 +9,7 @@ import pytest
 
 from families.models import vllm_job
 from families.test_family_identity import job, prompts
-from vllm_runs import assert_native_kernel, assert_not_custom, run_llm
+from vllm_runs import assert_native_kernel, assert_not_custom, assert_same_outputs, run_llm
 
 pytestmark = pytest.mark.vllm
 
@@ -34,12 +34,7 @@ def test_custom_matches_stock_with_fp8_kv_cache(name, cache_dtype, dtype, tol, t
     custom = run_llm(_fp8_job(name, "CUSTOM", cache_dtype, dtype), tmp_path)
     assert_not_custom(stock["log"])
     assert_native_kernel(custom["log"])
-    for group_stock, group_custom in zip(stock["groups"], custom["groups"], strict=True):
-        for i, (a, b) in enumerate(zip(group_stock, group_custom, strict=True)):
-            for ca, cb in zip(a, b, strict=True):
-                assert ca["token_ids"] == cb["token_ids"], f"{name} request {i}: tokens differ"
-                diff = _max_logprob_diff(ca, cb)
-                assert diff <= tol, f"{name} request {i}: logprob differs by {diff}"
+    assert_same_outputs(stock, custom, atol=tol)
     if cache_dtype == "fp8" and name == "gpt-oss":
         full = run_llm(job(name, "CUSTOM"), tmp_path)         # the same, with a 32-bit cache
         diffs = [_max_logprob_diff(a[0], b[0])
@@ -65,9 +60,7 @@ def test_custom_matches_stock_with_fp8_kv_cache_under_preemption(tmp_path):
         "CHUNKATTN_TREE_STATS_FILE": str(tmp_path / "tree.json"),
         "CHUNKATTN_STATS_INTERVAL_S": "0", "CHUNKATTN_DEBUG_TREE": "1"})
     assert_native_kernel(custom["log"])
-    for i, (a, b) in enumerate(zip(stock["groups"][0], custom["groups"][0], strict=True)):
-        assert a[0]["token_ids"] == b[0]["token_ids"], f"request {i}: tokens differ"
-        assert _max_logprob_diff(a[0], b[0]) <= 1e-2, f"request {i}"
+    assert_same_outputs(stock, custom, atol=1e-2)
     tree = json.loads((tmp_path / "tree.json").read_text())
     assert tree["preemptions"] > 0, tree
     assert tree["invariant_checks"] >= tree["steps"] > 0

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
+from test_vllm_equivalence import job, tree_prompts
+from vllm_runs import assert_same_outputs
 from vllm_runs import assert_native_kernel, assert_not_custom, run_llm
 
 pytestmark = pytest.mark.vllm

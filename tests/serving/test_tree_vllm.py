@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
+from test_vllm_equivalence import job, tree_prompts
+from vllm_runs import assert_same_outputs
 from vllm_runs import (REPO, assert_native_kernel, assert_not_custom, job_env, run_llm,
                        tiny_model)
 

@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from test_vllm_equivalence import assert_same_outputs, job, tree_prompts
+from test_vllm_equivalence import job, tree_prompts
+from vllm_runs import assert_same_outputs
 from vllm_runs import GPU_DEFAULTS, assert_native_kernel, assert_not_custom, run_llm
 
 pytestmark = pytest.mark.vllm

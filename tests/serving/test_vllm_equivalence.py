@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from vllm_runs import assert_native_kernel, assert_not_custom, run_llm, tiny_model
+from vllm_runs import (assert_native_kernel, assert_not_custom, assert_same_outputs, run_llm,
+                       tiny_model)
 
 pytestmark = pytest.mark.vllm
 VOCAB = range(3, 2048)   # skip <unk>, <s>, </s>
@@ -41,17 +42,6 @@ def job(backend, prompts, block_size=32):   # CPU_ATTN (stock) needs a multiple 
              "sampling": dict(temperature=0.8, n=4, seed=1234, max_tokens=40, logprobs=0,
                               ignore_eos=True)},
         ]}
-
-
-def assert_same_outputs(stock, custom, atol=1e-4):
-    for g_stock, g_custom in zip(stock["groups"], custom["groups"]):
-        assert len(g_stock) == len(g_custom)
-        for i, (a, b) in enumerate(zip(g_stock, g_custom)):
-            assert len(a) == len(b)
-            for ca, cb in zip(a, b):
-                assert ca["token_ids"] == cb["token_ids"], f"request {i}: tokens differ"
-                diff = max(abs(x - y) for x, y in zip(ca["logprobs"], cb["logprobs"]))
-                assert diff <= atol, f"request {i}: logprob differs by {diff}"
 
 
 @pytest.mark.parametrize("seed", [7])
