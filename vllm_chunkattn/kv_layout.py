@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 
 KV_LAYOUTS = ("flash", "cpu_attn")
+# vLLM's fp8 --kv-cache-dtype names -> the dtype of the views an fp8 cache (allocated as uint8)
+# is read through; "fp8" is e4m3.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:

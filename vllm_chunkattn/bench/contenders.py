@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode import TppLaunch
+from ..kv_layout import FP8_KV_CACHE_DTYPES
 from ..plan import TppWorkspace
 from ..plan.cache import PlanCache
 from . import provenance
@@ -28,8 +29,7 @@ class Variant:
 
     @property
     def fp8_dtype(self) -> torch.dtype | None:
-        return {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                "fp8_e5m2": torch.float8_e5m2}.get(self.kv_cache_dtype)
+        return FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)
 
     def sink_logits(self, num_heads: int, device) -> torch.Tensor | None:
         if not self.sinks:

@@ -20,14 +20,13 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 
+# fp8 caches the CPU kernels read in place (vLLM's CPU backend writes them).
+from ..kv_layout import FP8_KV_CACHE_DTYPES
 # What the CUDA kernel itself can run on is the kernel's to say (no vLLM there): refused here.
 from ..ops.cuda_fit import CUDA_BLOCK_SIZES, NEEDS_CAPABILITY, PARTIAL_SMEM_BYTES
 from ..ops.cuda_fit import refusal as cuda_refusal  # noqa: F401  (backend selection asks it)
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
-# fp8 caches the kernels read in place (vLLM's CPU backend writes them; "fp8" is e4m3 there).
-FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                       "fp8_e5m2": torch.float8_e5m2}
 CPU_HEAD_SIZES = (64, 80, 96, 128, 256)               # the kernels' instantiations
 CUDA_HEAD_SIZES = tuple(sorted(PARTIAL_SMEM_BYTES))
 CPU_BLOCK_SIZES = "16 or a multiple of 32"
