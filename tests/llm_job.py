@@ -21,7 +21,47 @@ def main(job_path: str, out_path: str) -> None:
                           "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
                           if c.logprobs else None}
                          for c in o.outputs] for o in outs])
-    json.dump({"groups": results}, open(out_path, "w"))
+    out = {"groups": results}
+    if job.get("metrics"):      # vLLM's own counters by name (needs disable_log_stats=False)
+        out["metrics"] = {m.name: m.value for m in llm.get_metrics()
+                          if m.name in job["metrics"] and hasattr(m, "value")}
+    if job.get("kv_events_replay"):
+        out["kv_events"] = replayed_kv_events(job["kv_events_replay"])
+    json.dump(out, open(out_path, "w"))
+
+
+def replayed_kv_events(endpoint: str, settle_s: float = 1.0) -> list[list]:
+    """Every KV event batch the engine published, asked back from its ZMQ publisher's replay
+    socket (vLLM's protocol: a start sequence number, then batches up to an end marker), once
+    its publisher thread has had time to send the last step's. Events as JSON lists."""
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    time.sleep(settle_s)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint)
+    socket.send_multipart((b"", (0).to_bytes(8, "big")))
+    decoder, batches = msgspec.msgpack.Decoder(type=KVEventBatch), []
+    while socket.poll(10_000):
+        _, topic, _, payload = socket.recv_multipart()
+        if not topic and not payload:
+            break                                           # the end marker
+        batch = decoder.decode(payload)
+        events = []
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                events.append(["stored", e.block_hashes, e.parent_block_hash, e.token_ids,
+                               e.block_size, e.medium, e.kv_cache_spec_kind])
+            elif isinstance(e, BlockRemoved):
+                events.append(["removed", e.block_hashes])
+            else:
+                events.append(["cleared"])
+        batches.append({"rank": batch.data_parallel_rank, "events": events})
+    socket.close(linger=0)
+    return batches
 
 
 if __name__ == "__main__":

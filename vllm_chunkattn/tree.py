@@ -16,6 +16,9 @@ SharedNode = tuple[tuple[int, ...], tuple[int, ...]]   # (block_ids, batch rows 
 # step N's token is known). Pending tokens are always a sequence's last ones; a chunk holding one
 # is never listed, so nothing can match it until `resolve` writes the real ids.
 PENDING = None
+# What `ChunkPrefixTree.event_log` records, in order: a chunk became matchable, a cached chunk
+# was evicted, every cached chunk was dropped (reset). KV event publishers read it.
+LISTED, EVICTED, CLEARED = "listed", "evicted", "cleared"
 
 
 def _num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -65,6 +68,7 @@ class Chunk:
     ref_count: int = 0          # live sequences whose block table holds this chunk
     last_access: int = 0        # logical time of the last release, for LRU
     listed: bool = False        # reachable from the root through `children`, i.e. matchable
+    depth: int = 0              # its index in the chunk list of every sequence holding it
 
     @property
     def key(self) -> tuple:
@@ -100,6 +104,9 @@ class ChunkPrefixTree:
         self.num_resolved_tokens = 0        # pending slots given their sampled ids (async scheduling)
         self._clock = 0
         self._entry_ids = itertools.count()
+        # None, or a list the tree appends (LISTED | EVICTED, chunk) / (CLEARED, None) to;
+        # its reader empties it.
+        self.event_log: list[tuple[str, Chunk | None]] | None = None
         self._clear()
 
     ##### Public API #####
@@ -242,6 +249,8 @@ class ChunkPrefixTree:
             self.num_evictions += 1
             self.free_block_ids.append(chunk.block_id)
             evicted.append(chunk.block_id)
+            if self.event_log is not None:
+                self.event_log.append((EVICTED, chunk))
             if parent is not self.root and parent.ref_count == 0 and not parent.children:
                 self._push_evictable(parent)
         return evicted
@@ -251,6 +260,8 @@ class ChunkPrefixTree:
         if self.pool_size - len(self.free_block_ids) - self.num_cached_blocks > 0:
             return False
         self._clear()
+        if self.event_log is not None:
+            self.event_log.append((CLEARED, None))
         return True
 
     def block_ids(self, seq_id: Hashable) -> list[int]:
@@ -318,6 +329,7 @@ class ChunkPrefixTree:
             parent = self.root
             for index, chunk in enumerate(seq.chunks):
                 assert chunk.parent is parent, f"{seq_id}: chunk {chunk.block_id} off its parent"
+                assert chunk.depth == index, f"{seq_id}: chunk {chunk.block_id} depth"
                 assert len(chunk.token_ids) == self.block_size
                 assert chunk.namespace == chunk_namespace(seq.namespace, index, self.block_size)
                 expected_refs[chunk] = expected_refs.get(chunk, 0) + 1
@@ -382,7 +394,8 @@ class ChunkPrefixTree:
         """The tail block just became full: it turns into a chunk, listed unless it duplicates one."""
         parent = seq.chunks[-1] if seq.chunks else self.root
         namespace = chunk_namespace(seq.namespace, len(seq.chunks), self.block_size)
-        chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), namespace, parent, ref_count=1)
+        chunk = Chunk(seq.tail_block_id, tuple(seq.tail_token_ids), namespace, parent, ref_count=1,
+                      depth=len(seq.chunks))
         self._list_if_new(chunk)
         seq.chunks.append(chunk)
         seq.tail_block_id, seq.tail_token_ids = None, []
@@ -394,6 +407,8 @@ class ChunkPrefixTree:
         if parent.listed and chunk.key not in parent.children and PENDING not in chunk.token_ids:
             parent.children[chunk.key] = chunk
             chunk.listed = True
+            if self.event_log is not None:
+                self.event_log.append((LISTED, chunk))
 
     def _pin(self, chunk: Chunk) -> None:
         if chunk.ref_count == 0:            # a cached chunk comes back into use

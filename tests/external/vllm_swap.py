@@ -19,6 +19,7 @@ from the environment's. CHUNKATTN_EXT_REPORT=path writes the outcome of every te
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -82,11 +83,13 @@ def _install_swap() -> None:
             reasons = kv_cache_config_refusals(config)
             if stock.use_eagle:
                 reasons.append("speculative decoding (lookahead slots have no tokens yet)")
-            if stock.enable_kv_cache_events:
-                reasons.append("KV cache events")
             if reasons:
                 raise tree_refusal(reasons)
-            block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
+            # The scheduler's block size, as ChunkAttnScheduler passes it (decode context
+            # parallel multiplies the spec's).
+            bound = inspect.signature(stock_manager).bind(*args, **kwargs).arguments
+            block_size = bound.get("scheduler_block_size",
+                                   config.kv_cache_groups[0].kv_cache_spec.block_size)
             super().__init__(stock, block_size)
             USES[0] += 1
 

@@ -29,6 +29,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import Request, RequestStatus
 
 from ..tree import ChunkPrefixTree, _num_blocks_for
+from .kv_events import TreeKVEvents
 from .namespace import request_namespace
 
 
@@ -52,6 +53,10 @@ class ChunkTreeKVCacheManager:
         self.block_size = block_size
         self.tree = ChunkPrefixTree(self.kv_cache_config.num_blocks, block_size)
         self._blocks = self.block_pool.blocks      # block id -> KVCacheBlock (id carrier only)
+        self.kv_events = None
+        if self.enable_kv_cache_events and self.enable_caching:
+            self.kv_events = TreeKVEvents(self.tree, self.block_pool, block_size)
+            self.kv_events.install(self)
 
     def __getattr__(self, name: str):
         # Only reached for names this class does not define. An AttributeError still (so that
@@ -94,6 +99,8 @@ class ChunkTreeKVCacheManager:
                                          max_tokens)
         if not matched:
             return self.empty_kv_cache_blocks, 0, 0
+        if self.kv_events is not None:
+            self.kv_events.announce_hit(request, matched)
         blocks = self._blocks
         return (KVCacheBlocks(([blocks[c.block_id] for c in matched],)),
                 len(matched) * self.block_size, 0)
@@ -239,7 +246,9 @@ class ChunkTreeKVCacheManager:
         return True
 
     def take_events(self) -> list:
-        return []                           # KV events are refused at start-up
+        # The tree's events wait in the stock pool's queue (kv_events.py): vLLM's own drain
+        # annotates them with the group's spec kind.
+        return self.stock.take_events()
 
     # -- hit statistics: vLLM's own counters (no block state), delegated explicitly --------------
 

@@ -66,7 +66,9 @@ MATRIX = (
     ("hybrid KV cache groups (Mamba, linear attention)", False,
      "the tree manages one attention group"),
     ("speculative decoding", False, "lookahead slots have no tokens yet"),
-    ("KV connectors, KV cache events", False, "the tree replaces vLLM's block pool"),
+    ("KV cache events (`--kv-events-config`: KV-aware routers)", True,
+     "vLLM's own events and hashes; a duplicate chunk is never announced"),
+    ("KV connectors", False, "the tree replaces vLLM's block pool"),
     ("`--enable-return-routed-experts` (vLLM 0.33)", False,
      "its connector reads vLLM's block pool"),
     ("other head sizes (Gemma 4: 512)", False, "no kernel instantiation"),
@@ -160,15 +162,12 @@ def has_sliding_layers(vllm_config) -> bool:
 def tree_config_refusals(vllm_config) -> list[str]:
     """What the config alone shows the tree cannot serve: it needs every slot's token id by the
     time the step's output arrives (so no speculative lookahead), and no external KV
-    (connectors) or KV events."""
+    (connectors)."""
     reasons = []
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding (lookahead slots have no tokens yet)")
     if vllm_config.kv_transfer_config is not None:
         reasons.append("KV connectors")
-    if vllm_config.kv_events_config is not None and \
-            vllm_config.kv_events_config.enable_kv_cache_events:
-        reasons.append("KV cache events")
     aux = getattr(vllm_config, "aux_output_config", None)         # vLLM 0.33
     if aux is not None and aux.enabled:
         # Its scheduler connector tracks cached prefixes in vLLM's BlockPool, which the tree
