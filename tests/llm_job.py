@@ -19,7 +19,11 @@ def main(job_path: str, out_path: str) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in group["prompts"]], params)
         results.append([[{"token_ids": list(c.token_ids),
                           "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-                          if c.logprobs else None}
+                          if c.logprobs else None,
+                          # each prompt token's logprob given the tokens before it
+                          **({"prompt_logprobs": [lp[t].logprob for lp, t in zip(
+                              o.prompt_logprobs[1:], o.prompt_token_ids[1:])]}
+                             if o.prompt_logprobs else {})}
                          for c in o.outputs] for o in outs])
     out = {"groups": results}
     if job.get("metrics"):      # vLLM's own counters by name (needs disable_log_stats=False)

@@ -174,7 +174,8 @@ def _engine_config(model, **engine_args):
                       **engine_args).create_engine_config()
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+# A drafter model (here the tiny model drafting for itself): its layers are not served.
+DRAFT_MODEL = {"method": "draft_model", "model": str(tiny_model()), "num_speculative_tokens": 2}
 
 
 @pytest.mark.parametrize("model, engine_args, reason", [
@@ -186,9 +187,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     ("mistral-hd80", {"kv_cache_dtype": "fp8"},
      "cannot serve this model exactly: an fp8 KV cache with head size 80 (vLLM's CPU backend "
      "writes fp8 for head sizes divisible by 32)"),
-    (None, {"speculative_config": NGRAM},
-     "the chunk prefix tree KV cache manager (--attention-backend CUSTOM) does not support "
-     "speculative decoding"),
+    (None, {"speculative_config": DRAFT_MODEL},
+     "cannot serve this model exactly: speculative decoding with method 'draft_model' (only "
+     "n-gram drafts, method 'ngram', are served"),
 ])
 def test_what_the_config_shows_is_refused_where_the_config_is_built(model, engine_args, reason,
                                                                     tmp_path):

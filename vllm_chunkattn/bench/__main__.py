@@ -1,4 +1,4 @@
-"""python -m vllm_chunkattn.bench {kernel,ab,offline,sched,plan,ablation,soak,step,tpot,host} ...: each subcommand is a module with main(argv)."""
+"""python -m vllm_chunkattn.bench {kernel,ab,offline,sched,plan,ablation,soak,step,tpot,host,router} ...: each subcommand is a module with main(argv)."""
 import importlib
 import sys
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "step": "vllm_chunkattn.bench.step_profile",  # one decode step: in-process vs multiprocess engine
     "tpot": "vllm_chunkattn.bench.tpot_model",  # decode TPOT from measured parts, stock vs CUSTOM
     "host": "vllm_chunkattn.bench.host_step",  # a served step's parts, timed where called
+    "router": "vllm_chunkattn.bench.router",   # CUSTOM replicas behind vllm-router, per policy
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
 import math
 import multiprocessing as mp
 import os
@@ -223,7 +224,9 @@ def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Pat
              f"{m['num_heads']} q / {m['num_kv_heads']} kv heads, head_dim {m['head_size']})"
              f"{', dummy weights' if setup['dummy'] else ''}; dtype {setup['dtype']}, "
              f"block size {setup['block_size']}, enforce_eager {setup['enforce_eager']}, "
-             f"{setup['kv_space']} per engine",
+             f"{setup['kv_space']} per engine"
+             + (f"; speculative decoding `{setup['speculative_config']}` on both"
+                if setup.get("speculative_config") else ""),
              f"- commit {setup['commit']}, {setup['native']}, {setup['date']}, "
              f"wall {setup['wall_min']:.1f} min; engine logs in `{setup['log_dir']}`",
              "- engines (seconds from the run's start): " + "; ".join(
@@ -308,6 +311,9 @@ def parse_args(argv):
                         "default 0.9 would fail the second engine's); unused on CPU")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON for both engines, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}'")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="report stem offline_<tag> (default: model name)")
     p.add_argument("--log-dir", default=None, help="engine logs (default: a temp dir)")
@@ -332,6 +338,8 @@ def main(argv=None) -> int:
                   kv_cache_memory_bytes=a.kv_cache_gb << 30)
     if dummy:
         kwargs["load_format"] = "dummy"
+    if a.speculative_config:
+        kwargs["speculative_config"] = json.loads(a.speculative_config)
     import torch
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = a.gpu_memory_utilization
@@ -342,6 +350,7 @@ def main(argv=None) -> int:
              "machine": provenance.machine(), "load_before": provenance.load_average(),
              "model": {"path": a.model, **describe(a.model)}, "dummy": dummy, "dtype": a.dtype,
              "block_size": a.block_size, "enforce_eager": a.enforce_eager,
+             "speculative_config": a.speculative_config,
              "kv_space": f"a KV pool of {a.kv_cache_gb} GiB" + (
                  f" (gpu_memory_utilization {a.gpu_memory_utilization})"
                  if "gpu_memory_utilization" in kwargs else ""), "commit": provenance.git_commit(),

@@ -1,9 +1,11 @@
 """ChunkAttention as a vLLM attention backend (name "CUSTOM").
 
-Decode rows (one new token each) go through TPP decode, driven by a TppPlan built once per step
-from the batch's block table. Prefill and chunked-prefill rows, and the KV cache writes, go
-through vLLM's own backend for the platform (CPU_ATTN on CPU, FLASH_ATTN on GPU), so the KV cache
-keeps that backend's layout and our kernels read it in place.
+Decode rows (one new token each, or speculative decoding's verify rows: the new token and its
+draft tokens) go through TPP decode, driven by a TppPlan built once per step from the batch's
+block table; a verify row enters the plan as one row per query token (plan/query_rows.py).
+Prefill and chunked-prefill rows, and the KV cache writes, go through vLLM's own backend for
+the platform (CPU_ATTN on CPU, FLASH_ATTN on GPU), so the KV cache keeps that backend's layout
+and our kernels read it in place.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .. import __version__, envs
 from ..kv_layout import kv_cache_views
 from ..decode import TppLaunch
 from ..ops import kernel_name
-from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace
+from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace, query_rows
 from . import batch_order, logger
 from .support import (CUDA_BLOCK_SIZES, FP8_KV_CACHE_DTYPES, cuda_refusal, head_sizes,
                       kv_cache_dtypes, layer_refusals, refusal)
@@ -105,16 +107,19 @@ class ChunkAttnBackend(AttentionBackend):
 
 @dataclass
 class ChunkAttnMetadata:
-    """Decode rows come first (reorder_batch_threshold = 1): rows [0, num_decodes) are decodes
-    with one token each; the rest is vLLM's own metadata for the prefill rows."""
+    """Decode rows come first (reorder_batch_threshold): rows [0, num_decodes) are decodes,
+    with 1 + num_speculative_tokens query tokens at most, their tokens [0, num_decode_tokens);
+    the rest is vLLM's own metadata for the prefill rows. TPP's rows are the decode tokens
+    (plan/query_rows.py): one per decode row without draft tokens."""
     num_actual_tokens: int
     num_decodes: int
-    decode_block_table: torch.Tensor   # [num_decodes, max_blocks] int32
-    decode_seq_lens: torch.Tensor      # [num_decodes] int32
+    decode_block_table: torch.Tensor   # [num_decode_tokens, max_blocks] int32
+    decode_seq_lens: torch.Tensor      # [num_decode_tokens] int32, each query token's own
     plan: TppPlan | None
     decode: TppLaunch | None           # the plan's op arguments, resolved once for all layers
     prefill: object | None             # the platform backend's metadata for prefill rows
     slot_mapping: torch.Tensor         # [num_actual_tokens] int64: KV cache slot of each token
+    num_decode_tokens: int             # TPP's rows: num_decodes unless draft tokens are verified
 
 
 _announced = False
@@ -159,6 +164,10 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         self.head_size = kv_cache_spec.head_size
         self.device = device
         self.plans = PlanCache(self.block_size, device)
+        # Verify rows (1 + num_speculative_tokens query tokens) count as decodes, as in
+        # vLLM's FlashInfer and FlashAttention builders: TPP serves them as query rows (and
+        # prefill chunks as short: the same causal rows).
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         # Per captured batch size: its capacity-mode plans and the workspace its graph holds.
         self.graph_plans: dict[int, tuple[PlanCache, TppWorkspace]] = {}
         self._graph_workspace: TppWorkspace | None = None
@@ -207,14 +216,17 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             # is False); split_attn_metadata would drop the flag and make prefill rows causal.
             raise NotImplementedError("CUSTOM (ChunkAttention) serves causal attention only")
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
-            cm, decode_threshold=1)
+            cm, decode_threshold=self.reorder_batch_threshold)
         block_table = cm.block_table_tensor[:num_decodes]
         seq_lens = cm.seq_lens[:num_decodes]
         plan = decode = None
         if num_decodes:
             host_table, decode_seq_lens = self._host_rows(cm, num_decodes)
             plans, workspace = self.plans, None
-            if num_prefills == 0 and num_decodes in self.graph_plans:
+            if num_decode_tokens != num_decodes:
+                block_table, seq_lens, host_table, decode_seq_lens = self._query_rows(
+                    cm, num_decodes, block_table, host_table, decode_seq_lens)
+            elif num_prefills == 0 and num_decodes in self.graph_plans:
                 plans, workspace = self.graph_plans[num_decodes]   # a graph may replay this step
             plan = plans.get(host_table, decode_seq_lens,
                              self._num_kv_blocks() if plans.check_on_host else None)
@@ -228,7 +240,25 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
             tokens = slice(num_decode_tokens, cm.num_actual_tokens)
             prefill = self.base.build(0, split_attn_metadata([UBatchSlice(rows, tokens)], cm)[0])
         return ChunkAttnMetadata(cm.num_actual_tokens, num_decodes, block_table, seq_lens, plan,
-                                 decode, prefill, slot_mapping=cm.slot_mapping)
+                                 decode, prefill, slot_mapping=cm.slot_mapping,
+                                 num_decode_tokens=num_decode_tokens)
+
+    def _query_rows(self, cm: CommonAttentionMetadata, num_decodes: int,
+                    block_table: torch.Tensor, host_table: np.ndarray, host_seq_lens: np.ndarray
+                    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+        """Decode rows with several query tokens (verify rows) as one TPP row per query token
+        (plan/query_rows.py): the block tables and seq_lens of those rows, on the device and
+        on the host. Padding rows past vLLM's requests have no query token, hence no TPP row."""
+        row_of_token, token_seq_lens = query_rows(
+            cm.query_start_loc_cpu[:num_decodes + 1].numpy(), host_seq_lens[:num_decodes])
+        token_seq_lens = token_seq_lens.astype(np.int32)
+        rows = torch.from_numpy(row_of_token)
+        device = block_table.device
+        if device.type != "cpu":
+            rows = rows.to(device, non_blocking=True)
+        return (block_table.index_select(0, rows),
+                torch.from_numpy(token_seq_lens).to(device, non_blocking=device.type != "cpu"),
+                host_table[row_of_token], token_seq_lens)
 
     def _graph_plans_for(self, num_seqs: int, table_width: int) -> tuple[PlanCache, TppWorkspace]:
         """The capacity-mode plans of a captured batch size, and its graph's workspace. One
@@ -336,7 +366,7 @@ class ChunkAttnImpl(AttentionImpl):
         if attn_metadata is None:            # profiling / warm-up run
             return output
         md = attn_metadata
-        nd = md.num_decodes
+        nd = md.num_decode_tokens
         if nd:
             key_cache, value_cache = self._kv_views(kv_cache)
             # An fp8 cache's per-tensor scales: the layer's, as vLLM's own backend reads them.

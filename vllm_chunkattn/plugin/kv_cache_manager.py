@@ -21,7 +21,8 @@ on admission the first scheduled chunk (`add_sequence`), then each later chunk o
 same step before any reader in the step attends to it). Async scheduling allocates a decode
 slot before the token that goes in it is sampled: the tree holds it as pending (never matchable)
 and writes the id when vLLM's `cache_blocks` reports the step's output, or at the next
-allocation, whichever comes first. Speculative lookahead slots are refused at start-up.
+allocation, whichever comes first. Speculative decoding's draft tokens are held the same way:
+pending until vLLM accepts them (see `_resolve`).
 """
 from __future__ import annotations
 
@@ -148,17 +149,22 @@ class ChunkTreeKVCacheManager:
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
                        has_scheduled_reqs: bool = True,
                        skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlocks | None:
-        if num_lookahead_tokens or num_external_computed_tokens or num_encoder_tokens:
-            raise NotImplementedError("the chunk prefix tree needs token ids: no lookahead "
-                                      "slots, KV connectors or encoder-decoder models")
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise NotImplementedError("the chunk prefix tree needs token ids: no KV "
+                                      "connectors or encoder-decoder models")
         tree, rid = self.tree, request.request_id
+        # Scheduled tokens include unverified draft tokens (request.num_tokens does not):
+        # their slots, and a drafter's lookahead slots, are pending in the tree.
         target = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        target = max(target, min(target + num_lookahead_tokens, self.max_model_len))
         if rid not in tree.seqs:
             return self._admit(request, target, num_new_computed_tokens, full_sequence_must_fit,
                                reserved_blocks, has_scheduled_reqs)
         self._resolve(request)
         have = tree.num_tokens(rid)
         if target <= have:
+            # Slots of rejected draft tokens stay allocated (pending), as vLLM keeps their
+            # blocks: this step's tokens go into them.
             return self.empty_kv_cache_blocks
         if reserved_blocks and not tree.can_allocate(
                 _num_blocks_for(target, self.block_size) - len(tree.block_ids(rid))
@@ -223,7 +229,10 @@ class ChunkTreeKVCacheManager:
             self._resolve(request)
 
     def _resolve(self, request: Request) -> None:
-        """Write the ids of sampled tokens into the slots the tree holds for them."""
+        """Write the ids of sampled tokens into the slots the tree holds for them. A draft
+        token's slot gets the id vLLM accepted there (the draft's) or sampled instead (the
+        bonus token, whose KV the step being scheduled writes); slots past the request's
+        tokens, of rejected drafts, stay pending: no id the tree holds is an unverified draft."""
         tree, rid = self.tree, request.request_id
         num_pending = tree.seqs[rid].num_pending
         if num_pending:

@@ -65,7 +65,12 @@ MATRIX = (
     ("fp8 KV cache on GPUs, other quantized KV caches", False, "no kernel reads them"),
     ("hybrid KV cache groups (Mamba, linear attention)", False,
      "the tree manages one attention group"),
-    ("speculative decoding", False, "lookahead slots have no tokens yet"),
+    ("speculative decoding with n-gram drafts (`--speculative-config '{\"method\": "
+     "\"ngram\", ...}'`)", True, "verify rows through TPP, one row per query token; draft "
+     "slots pending in the tree until accepted"),
+    ("speculative decoding with a drafter (EAGLE, MTP, draft models, ...), GPU n-gram, "
+     "suffix decoding", False, "the drafter's attention layers and lookahead slots, and async "
+     "scheduling with drafts, are not served"),
     ("KV cache events (`--kv-events-config`: KV-aware routers)", True,
      "vLLM's own events and hashes; a duplicate chunk is never announced"),
     ("KV connectors", False, "the tree replaces vLLM's block pool"),
@@ -144,7 +149,29 @@ def config_refusals(vllm_config, is_cpu: bool = True) -> list[str]:
         reasons.append("MLA (multi-head latent attention)")
     if getattr(model, "attention_chunk_size", None):
         reasons.append(f"chunked local attention (chunks of {model.attention_chunk_size})")
-    return reasons
+    return reasons + speculative_refusals(vllm_config)
+
+
+# The speculative methods served: drafts proposed on the host from the request's own tokens,
+# verified in one step, with no drafter attention layers or lookahead slots.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def speculative_refusals(vllm_config) -> list[str]:
+    """Speculative decoding is served for n-gram drafts, synchronously scheduled (vLLM turns
+    async scheduling off for them). A drafter model (EAGLE, MTP, draft models, ...) runs its
+    own attention layers on lookahead slots, and GPU n-gram runs with async scheduling: neither
+    is served."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return []
+    if spec.method not in SPECULATIVE_METHODS:
+        return [f"speculative decoding with method {spec.method!r} (only n-gram drafts, "
+                "method 'ngram', are served: not a drafter's attention layers, lookahead "
+                "slots or async scheduling with drafts)"]
+    if vllm_config.scheduler_config.async_scheduling:
+        return ["speculative decoding with async scheduling (pass --no-async-scheduling)"]
+    return []
 
 
 def has_sliding_layers(vllm_config) -> bool:
@@ -160,12 +187,10 @@ def has_sliding_layers(vllm_config) -> bool:
 
 
 def tree_config_refusals(vllm_config) -> list[str]:
-    """What the config alone shows the tree cannot serve: it needs every slot's token id by the
-    time the step's output arrives (so no speculative lookahead), and no external KV
-    (connectors)."""
+    """What the config alone shows the tree cannot serve: no external KV (connectors).
+    (Speculative decoding: speculative_refusals, which config_refusals and the tree
+    scheduler's start-up run.)"""
     reasons = []
-    if vllm_config.speculative_config is not None:
-        reasons.append("speculative decoding (lookahead slots have no tokens yet)")
     if vllm_config.kv_transfer_config is not None:
         reasons.append("KV connectors")
     aux = getattr(vllm_config, "aux_output_config", None)         # vLLM 0.33
@@ -205,7 +230,7 @@ def refuse_tree_unsupported(vllm_config, kv_cache_config) -> None:
     """Where the tree scheduler starts: say so at start-up rather than fail mid-serving."""
     reasons = (kv_cache_config_refusals(kv_cache_config, vllm_config.model_config.max_model_len
                                         if vllm_config.model_config else None)
-               + tree_config_refusals(vllm_config))
+               + tree_config_refusals(vllm_config) + speculative_refusals(vllm_config))
     if reasons:
         raise tree_refusal(reasons)
 
