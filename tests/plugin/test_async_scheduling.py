@@ -18,13 +18,13 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_chunkattn.plugin.namespace import request_namespace
 from vllm_chunkattn.plugin.scheduler import ChunkAttnAsyncScheduler
 from vllm_chunkattn.tree import PENDING
+from scheduler_steps import sampled_output
 from vllm_runs import tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -68,17 +68,6 @@ def run(scheduler, waves: list[list[tuple[str, list[int], int]]]) -> dict:
         usage.append(scheduler.kv_cache_manager.usage)
         return out
 
-    def step_output(out):
-        ids = list(out.num_scheduled_tokens)
-        tokens = []
-        for rid in ids:
-            r = requests[rid]
-            done = r.num_computed_tokens + r.num_output_placeholders >= r.num_tokens
-            tokens.append([sampled(r)] if done else [])
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=tokens, logprobs=None,
-                                 prompt_logprobs_dict={}, pooler_output=[])
-
     for wave in waves:
         for rid, prompt, max_tokens in wave:
             requests[rid] = Request(rid, prompt, SamplingParams(max_tokens=max_tokens,
@@ -91,7 +80,7 @@ def run(scheduler, waves: list[list[tuple[str, list[int], int]]]) -> dict:
             steps.append(dict(out.num_scheduled_tokens))
             for new in out.scheduled_new_reqs:       # admitted: its prefix hit, in tokens
                 hits.setdefault(new.req_id, new.num_computed_tokens)
-            scheduler.update_from_output(out, step_output(out))
+            scheduler.update_from_output(out, sampled_output(out, requests, sampled))
             if tree is not None:
                 check_tree_holds_request_tokens(tree, requests)
             nxt = schedule()

@@ -19,11 +19,11 @@ from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, hash_block_to
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_chunkattn.plugin.scheduler import ChunkAttnAsyncScheduler, ChunkAttnScheduler
+from scheduler_steps import sampled_output
 from vllm_runs import tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -79,17 +79,6 @@ def run(scheduler, waves, abort_after: dict | None = None, on_step=None) -> dict
     hasher = get_request_block_hasher(BS, hash_fn)
     requests, depth, step = {}, 1 + isinstance(scheduler, AsyncScheduler), 0
 
-    def step_output(out):
-        ids = list(out.num_scheduled_tokens)
-        tokens = []
-        for rid in ids:
-            r = requests[rid]
-            done = r.num_computed_tokens + r.num_output_placeholders >= r.num_tokens
-            tokens.append([sampled(r)] if done else [])
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=tokens, logprobs=None,
-                                 prompt_logprobs_dict={}, pooler_output=[])
-
     for wave in waves:
         for rid, prompt, max_tokens, extra in wave:
             requests[rid] = Request(rid, prompt, SamplingParams(max_tokens=max_tokens,
@@ -99,7 +88,7 @@ def run(scheduler, waves, abort_after: dict | None = None, on_step=None) -> dict
         in_flight = deque(scheduler.schedule() for _ in range(depth))
         while in_flight:
             out = in_flight.popleft()
-            scheduler.update_from_output(out, step_output(out))
+            scheduler.update_from_output(out, sampled_output(out, requests, sampled))
             step += 1
             for rid, at in (abort_after or {}).items():
                 if at == step:
@@ -138,9 +127,8 @@ def test_every_step_publishes_stocks_events(mode, monkeypatch):
         turn = [(f"c{i}", first[i][1] + outputs[f"a{i}"] + [7, 7], 4, None) for i in range(3)]
         run(scheduler, [turn])
         assert scheduler.reset_prefix_cache()
-        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(
-            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
-            prompt_logprobs_dict={}, pooler_output=[]))
+        idle = scheduler.schedule()                  # its output publishes the clear
+        scheduler.update_from_output(idle, sampled_output(idle, {}, sampled))
         results[name] = (outputs, scheduler.kv_event_publisher.batches)
     (stock_out, stock_events), (tree_out, tree_events) = results["stock"], results["tree"]
     assert tree_out == stock_out

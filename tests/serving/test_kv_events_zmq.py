@@ -2,21 +2,14 @@
 publisher on loopback), stock and CUSTOM on the same requests; the events are read back over
 ZMQ. CUSTOM publishes the blocks stock does, under the same hashes, parents first, and the
 removal and clear events a consumer needs; the TPP kernel decoded."""
-import socket
-
 import pytest
 
+from vllm_chunkattn.bench.server_process import free_port
 from vllm_runs import (assert_native_kernel, assert_not_custom, assert_same_outputs, run_llm,
                        tiny_model)
 
 pytestmark = pytest.mark.vllm
 BS = 32          # CPU_ATTN (stock) needs a multiple of 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job(attention_backend: str | None, num_gpu_blocks: int | None = None) -> dict:

@@ -5,8 +5,8 @@ workload through each routing policy, and one replica alone as the reference.
     python -m vllm_chunkattn.bench router --out benchmarks/results/router_cpu
 
 The workload: G prefix groups (a system prompt of P words each) x Q questions, shuffled,
-arriving at R per second (Poisson) with at most C in flight, greedy. Per policy, replicas start fresh (empty caches); after the run each replica's
-/metrics gives the prefix-cache hit rate (vLLM's counters), the decode sharing (KV reads served
+arriving at R per second (Poisson) with at most C in flight, greedy. Per policy, replicas start
+fresh (empty caches); after the run each replica's /metrics gives the prefix-cache hit rate (vLLM's counters), the decode sharing (KV reads served
 by shared chunks, `chunkattn:decode_shared_kv_tokens_total / decode_kv_tokens_total`) and the KV
 tokens the replicas hold (chunks in use + cached): a policy that spreads a group over replicas
 prefills and stores its prefix on each. `kv_aware` routes on the replicas' KV events
