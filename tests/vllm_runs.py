@@ -83,3 +83,19 @@ def assert_same_outputs(stock, custom, atol=1e-4):
                 assert ca["token_ids"] == cb["token_ids"], f"request {i}: tokens differ"
                 diff = max(abs(x - y) for x, y in zip(ca["logprobs"], cb["logprobs"]))
                 assert diff <= atol, f"request {i}: logprob differs by {diff}"
+
+
+def decode_kv_tokens(prompts, max_tokens: int) -> int:
+    """The oracle for the decode KV tokens of greedy ignore_eos requests prefilled whole: a
+    prompt of P tokens and M outputs has M - 1 decode steps reading P + 1, ..., P + M - 1."""
+    m = max_tokens
+    return sum((m - 1) * len(p) + m * (m - 1) // 2 for p in prompts)
+
+
+def prometheus_samples(path, prefix: str = "") -> dict[str, float]:
+    """Sample name -> value from a PROMETHEUS_MULTIPROC_DIR (what a /metrics would read)."""
+    from prometheus_client import CollectorRegistry, multiprocess
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(path))
+    return {s.name: s.value for m in registry.collect() for s in m.samples
+            if s.name.startswith(prefix)}

@@ -103,11 +103,15 @@ _KNOBS = [
          "Seconds between the `chunkattn decode:` / `chunkattn tree:` log lines and the stats "
          "files' writes (0: every step).", (_P,)),
     Knob("CHUNKATTN_STATS_FILE", "path", None,
-         "Each worker writes its decode sharing counters here as JSON at every flush.", (_P,),
-         default_doc="unset: no file"),
+         "Each engine's first worker (TP rank 0, first PP stage) writes its decode sharing "
+         "counters here as JSON at every flush. With data parallelism DP rank 0 writes this "
+         "path and rank N > 0 the path with `.dpN` before its suffix (stats.json -> "
+         "stats.dp1.json).", (_P,), default_doc="unset: no file"),
     Knob("CHUNKATTN_TREE_STATS_FILE", "path", None,
          "The scheduler writes the chunk tree's counters here as JSON at every flush; setting it "
-         "also turns on the exact per-step sharing count.", (_P,), default_doc="unset: no file"),
+         "also turns on the exact per-step sharing count. Per DP rank as for "
+         "CHUNKATTN_STATS_FILE (rank N > 0: tree.json -> tree.dpN.json).", (_P,),
+         default_doc="unset: no file"),
     Knob("CHUNKATTN_DEBUG_TREE", "bool", False,
          "Run the chunk tree's invariant checker every step (slow; soak runs, tests).", (_P,)),
     Knob("CHUNKATTN_METRICS_DIR", "path", None,

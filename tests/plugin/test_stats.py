@@ -30,8 +30,11 @@ def lines(monkeypatch):
 
 
 def vllm_config(model="tiny", engine=0):
+    """An engine's config as each data-parallel rank of a dense model holds it: vLLM resets
+    data_parallel_rank to 0 there and keeps the rank in data_parallel_index."""
     return types.SimpleNamespace(model_config=types.SimpleNamespace(served_model_name=model),
-                                 parallel_config=types.SimpleNamespace(data_parallel_rank=engine))
+                                 parallel_config=types.SimpleNamespace(data_parallel_rank=0,
+                                                                       data_parallel_index=engine))
 
 
 def collected(path) -> dict:
@@ -154,3 +157,42 @@ def test_expose_uses_vllms_multiprocess_directory_when_set(tmp_path, monkeypatch
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "later"))
     stats.expose()                                        # once per process
     assert envs.METRICS_DIR == tmp_path
+
+
+@pytest.mark.parametrize("path, engine, expected", [
+    ("/d/stats.json", 0, "/d/stats.json"),          # rank 0, and any deployment without DP
+    ("/d/stats.json", 1, "/d/stats.dp1.json"),
+    ("/d/run.tree.json", 12, "/d/run.tree.dp12.json"),
+    ("/d/stats", 3, "/d/stats.dp3"),
+])
+def test_each_data_parallel_rank_has_its_own_stats_file(path, engine, expected):
+    from pathlib import Path
+    assert stats.engine_file(Path(path), engine) == Path(expected)
+    assert stats.engine_file(None, engine) is None
+
+
+def test_tree_counters_of_a_data_parallel_rank_go_to_its_file(tmp_path, monkeypatch, lines):
+    monkeypatch.setenv("CHUNKATTN_TREE_STATS_FILE", str(tmp_path / "tree.json"))
+    monkeypatch.setenv("CHUNKATTN_STATS_INTERVAL_S", "0")
+    stats.TreeMetrics(shared_prefix_tree(), vllm_config(engine=0)).on_step({"a": 1}, None)
+    stats.TreeMetrics(shared_prefix_tree(), vllm_config(engine=1)).on_step({"a": 1, "b": 1},
+                                                                          None)
+    rank0 = json.loads((tmp_path / "tree.json").read_text())
+    rank1 = json.loads((tmp_path / "tree.dp1.json").read_text())
+    assert (rank0["decode_rows"], rank1["decode_rows"]) == (1, 2)
+
+
+def test_sharing_counters_of_a_data_parallel_rank_go_to_its_file(tmp_path, monkeypatch, lines):
+    """Outside an initialized model-parallel group (this process) a worker is its engine's
+    first rank: it writes the metrics and the file of its DP rank."""
+    monkeypatch.setenv("CHUNKATTN_STATS_FILE", str(tmp_path / "worker.json"))
+    monkeypatch.setenv("CHUNKATTN_STATS_INTERVAL_S", "0")
+    monkeypatch.setenv("CHUNKATTN_METRICS_DIR", str(tmp_path))
+    s = stats.SharingStats()
+    s.publish_to_metrics(vllm_config(engine=1))
+    s.record(2, 40, 16, plan_builds=1, with_prefill=False)
+    assert not (tmp_path / "worker.json").exists()
+    assert json.loads((tmp_path / "worker.dp1.json").read_text())["kv_tokens"] == 40
+    got = collected(tmp_path)
+    assert got[("chunkattn:decode_kv_tokens_total", "1")] == 40
+    assert ("chunkattn:decode_kv_tokens_total", "0") not in got

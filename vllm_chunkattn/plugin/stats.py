@@ -8,6 +8,15 @@ Two sets of counters, in two processes:
     evictions, preemptions; and, when asked for, the tree's own count of each decode step's
     sharing (the worker's plan is built from the same block tables, so the two must agree).
 
+Counted once per engine and step, whatever the parallelism. Every tensor-parallel rank and every
+pipeline stage of an engine plans the same decode batch (a stage builds attention metadata for
+all of the step's rows, for its own layers), and each counts a step once, not once per layer;
+only the engine's first rank (TP rank 0 of the first PP stage) writes the metrics and the stats
+file, so neither holds a step twice. Each data-parallel rank is an engine of its own (its own
+EngineCore, tree and workers): its values carry its index within the deployment, the `engine`
+label vLLM's own per-engine series on /metrics carry (`engine_index`), and its stats files are
+its own (`engine_file`).
+
 Outputs of both: a periodic log line (`chunkattn decode:` / `chunkattn tree:`, every
 CHUNKATTN_STATS_INTERVAL_S, 0 = every step) and, when CHUNKATTN_STATS_FILE /
 CHUNKATTN_TREE_STATS_FILE is set, that file as JSON, replaced atomically at each flush (benchmarks
@@ -45,6 +54,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 from .. import envs
 from . import logger
@@ -67,6 +77,23 @@ METRICS = {   # key in the counters' dicts -> (name, type, help)
     "preemptions": ("chunkattn:preemptions", "counter",
                     "Requests preempted by the tree scheduler for lack of free chunks"),
 }
+
+
+def engine_index(vllm_config) -> int:
+    """The engine's index within its deployment, as vLLM's own metrics label it: its DP rank.
+    Not parallel_config.data_parallel_rank, which vLLM resets to 0 on every rank of a dense
+    model (each rank an independent engine); data_parallel_index keeps the rank."""
+    return vllm_config.parallel_config.data_parallel_index
+
+
+def engine_file(path, engine: int) -> Path | None:
+    """The stats file of one engine: DP rank 0 (and any deployment without DP) writes `path`
+    itself, rank N > 0 `path` with `.dpN` before its suffix (stats.json -> stats.dp1.json)."""
+    if path is None or engine == 0:
+        return path
+    path = Path(path)
+    return path.with_name(f"{path.stem}.dp{engine}{path.suffix}")
+
 
 _exposed_dir: tempfile.TemporaryDirectory | str | None = None
 # One MmapedDict per file: EngineCore and a worker may share a process (TP=1), and two would
@@ -118,7 +145,7 @@ class MetricsWriter:
         if not path or vllm_config is None or not os.path.isdir(path):
             return None               # not under a config built with the flag (unit tests)
         return cls(path, keys, str(vllm_config.model_config.served_model_name),
-                   vllm_config.parallel_config.data_parallel_rank)
+                   engine_index(vllm_config))
 
     def write(self, values: dict) -> None:
         now = time.time()
@@ -179,12 +206,15 @@ class SharingStats(PeriodicStats):
         self._writer = None
 
     def publish_to_metrics(self, vllm_config) -> None:
-        """Every rank of an engine plans the same decode batch: the first one speaks for all."""
+        """Binds these counters to the worker's engine. Every TP rank and PP stage of an engine
+        plans the same decode batch: the first one speaks for all, on /metrics and in the
+        engine's stats file; the others still count and log, and write neither."""
         from vllm.distributed.parallel_state import (get_pp_group,
                                                      get_tensor_model_parallel_rank,
                                                      model_parallel_is_initialized)
         first = not model_parallel_is_initialized() or (
             get_tensor_model_parallel_rank() == 0 and get_pp_group().is_first_rank)
+        self.path = engine_file(envs.STATS_FILE, engine_index(vllm_config)) if first else None
         if self._writer is None and first:
             self._writer = MetricsWriter.for_process(vllm_config,
                                                      ("kv_tokens", "shared_kv_tokens"))
@@ -225,7 +255,8 @@ class TreeMetrics(PeriodicStats):
                  "evictions", "preemptions")
 
     def __init__(self, tree, vllm_config=None):
-        super().__init__(envs.TREE_STATS_FILE)
+        super().__init__(envs.TREE_STATS_FILE if vllm_config is None else
+                         engine_file(envs.TREE_STATS_FILE, engine_index(vllm_config)))
         self.tree = tree
         self.debug = envs.DEBUG_TREE
         # The exact per-step sharing costs O(chunks of the decode batch): only when asked for.
