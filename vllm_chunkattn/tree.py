@@ -8,7 +8,8 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol
 
 
 SharedNode = tuple[tuple[int, ...], tuple[int, ...]]   # (block_ids, batch rows holding them)
@@ -40,6 +41,29 @@ def chunk_namespace(namespace: Hashable, chunk_index: int, block_size: int) -> H
     if not isinstance(namespace, SplitNamespace):
         return namespace
     return namespace.before if (chunk_index + 1) * block_size <= namespace.start else namespace.after
+
+
+class AuxBlocks(Protocol):
+    """Blocks another KV cache group holds for the tree's chunks, from the tree's pool."""
+    num_reclaimable: int                    # blocks it could free now (cached, unpinned)
+
+    def num_pinned(self, chunks: Sequence[Chunk]) -> int:
+        """Of num_reclaimable, what admitting a sequence on these matched chunks keeps."""
+
+    def reclaim(self) -> int:
+        """Free its least recently used cached blocks into the pool; how many (0: none)."""
+
+    def on_evict(self, chunk: Chunk) -> None:
+        """The chunk left the tree: free what is held for it."""
+
+    def clear(self) -> None:
+        """The pool is being reset (nothing in use): forget every block."""
+
+    def owned_blocks(self) -> Iterable[tuple[int, object]]:
+        """(block id, owner) of every block it holds, for check_invariants."""
+
+    def check_invariants(self) -> None:
+        """Assert its own books balance."""
 
 
 @dataclass(slots=True)
@@ -107,6 +131,9 @@ class ChunkPrefixTree:
         # None, or a list the tree appends (LISTED | EVICTED, chunk) / (CLEARED, None) to;
         # its reader empties it.
         self.event_log: list[tuple[str, Chunk | None]] | None = None
+        # None, or the blocks other KV cache groups hold for chunks (window_groups.py): they
+        # draw on this pool, and what of theirs is reclaimable counts as cached here.
+        self.aux: AuxBlocks | None = None
         self._clear()
 
     ##### Public API #####
@@ -139,6 +166,8 @@ class ChunkPrefixTree:
         """Whether num_blocks new blocks fit once `pinned` (this request's matched chunks) are held:
         cached chunks about to be pinned cannot be evicted to make room for their own request."""
         num_reclaimable = self.num_cached_blocks - sum(1 for chunk in pinned if chunk.ref_count == 0)
+        if self.aux is not None:
+            num_reclaimable += self.aux.num_reclaimable - self.aux.num_pinned(pinned)
         return num_blocks <= len(self.free_block_ids) + num_reclaimable
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], namespace: Hashable = None,
@@ -249,6 +278,8 @@ class ChunkPrefixTree:
             self.num_evictions += 1
             self.free_block_ids.append(chunk.block_id)
             evicted.append(chunk.block_id)
+            if self.aux is not None:
+                self.aux.on_evict(chunk)
             if self.event_log is not None:
                 self.event_log.append((EVICTED, chunk))
             if parent is not self.root and parent.ref_count == 0 and not parent.children:
@@ -257,8 +288,10 @@ class ChunkPrefixTree:
 
     def reset(self) -> bool:
         """vLLM's reset_prefix_cache: refuse while any block is in use, else drop every cached chunk."""
-        if self.pool_size - len(self.free_block_ids) - self.num_cached_blocks > 0:
+        if self.pool_size - len(self.free_block_ids) - self.num_reclaimable_blocks > 0:
             return False
+        if self.aux is not None:
+            self.aux.clear()
         self._clear()
         if self.event_log is not None:
             self.event_log.append((CLEARED, None))
@@ -309,59 +342,22 @@ class ChunkPrefixTree:
                 start = end
         return nodes, seq_num_shared_blocks
 
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """Blocks that hold cached KV and can be evicted: cached chunks, and what `aux` holds."""
+        return self.num_cached_blocks + (self.aux.num_reclaimable if self.aux is not None else 0)
+
     def stats(self) -> TreeStats:
-        num_free = len(self.free_block_ids)
-        return TreeStats(num_free, self.pool_size - num_free - self.num_cached_blocks,
-                         self.num_cached_blocks, self.num_hit_tokens, self.num_query_tokens,
+        num_free, num_cached = len(self.free_block_ids), self.num_reclaimable_blocks
+        return TreeStats(num_free, self.pool_size - num_free - num_cached,
+                         num_cached, self.num_hit_tokens, self.num_query_tokens,
                          self.num_evictions, self.num_shared_tokens)
 
     def check_invariants(self) -> None:
-        """Recount everything from scratch (O(tree), for tests) and assert it matches the counters."""
-        expected_refs: dict[Chunk, int] = {}
-        owners: dict[int, object] = {}
-
-        def claim(block_id: int, owner: object) -> None:
-            assert 0 <= block_id < self.num_blocks and block_id not in self.reserved, block_id
-            assert block_id not in owners, f"block {block_id} held by {owners[block_id]} and {owner}"
-            owners[block_id] = owner
-
-        for seq_id, seq in self.seqs.items():
-            parent = self.root
-            for index, chunk in enumerate(seq.chunks):
-                assert chunk.parent is parent, f"{seq_id}: chunk {chunk.block_id} off its parent"
-                assert chunk.depth == index, f"{seq_id}: chunk {chunk.block_id} depth"
-                assert len(chunk.token_ids) == self.block_size
-                assert chunk.namespace == chunk_namespace(seq.namespace, index, self.block_size)
-                expected_refs[chunk] = expected_refs.get(chunk, 0) + 1
-                parent = chunk
-            assert len(seq.tail_token_ids) < self.block_size
-            tokens = [t for chunk in seq.chunks for t in chunk.token_ids] + seq.tail_token_ids
-            known = len(tokens) - seq.num_pending
-            assert PENDING not in tokens[:known] and tokens[known:] == [PENDING] * seq.num_pending
-            assert (seq.tail_block_id is None) == (not seq.tail_token_ids), seq_id
-            if seq.tail_block_id is not None:
-                claim(seq.tail_block_id, ("tail", seq_id))
-        listed, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            for key, child in node.children.items():
-                assert child.parent is node and child.key == key and child.listed, "misfiled chunk"
-                listed.append(child)
-                stack.append(child)
-        listed_set = set(listed)
-        for chunk in listed_set | set(expected_refs):
-            assert chunk.ref_count == expected_refs.get(chunk, 0), f"chunk {chunk.block_id} ref_count"
-            assert chunk.listed == (chunk in listed_set), f"chunk {chunk.block_id} listed flag"
-            assert chunk.listed or chunk.ref_count > 0, f"unlisted chunk {chunk.block_id} not freed"
-            assert not (chunk.listed and PENDING in chunk.token_ids), "pending token listed"
-            claim(chunk.block_id, chunk)
-        cached = [chunk for chunk in listed if chunk.ref_count == 0]
-        assert self.num_cached_blocks == len(cached)
-        assert set(self._evictable) == {chunk for chunk in cached if not chunk.children}
-        for block_id in self.free_block_ids:
-            claim(block_id, "free")
-        assert len(owners) == self.pool_size, "free + in_use + cached != pool"
-        assert self.num_shared_tokens == self.block_size * sum(n - 1 for n in expected_refs.values())
+        """Recount everything from scratch (O(tree), for tests and CHUNKATTN_DEBUG_TREE) and
+        assert it matches the counters (tree_invariants.py)."""
+        from .tree_invariants import check_invariants
+        check_invariants(self)
 
     ##### Internal Helper Functions #####
 
@@ -373,7 +369,7 @@ class ChunkPrefixTree:
         self._evict_heap: list[tuple[int, int, Chunk]] = []  # (last_access, entry_id, chunk), lazily pruned
 
     def _allocate_block(self) -> int:
-        if not self.free_block_ids:
+        if not self.free_block_ids and not (self.aux is not None and self.aux.reclaim()):
             self.evict(1)
         return self.free_block_ids.popleft()
 
@@ -438,18 +434,3 @@ class ChunkPrefixTree:
         self._evictable[chunk] = entry_id
         heapq.heappush(self._evict_heap, (chunk.last_access, entry_id, chunk))
 
-
-if __name__ == "__main__":
-    tree = ChunkPrefixTree(num_blocks=16, block_size=4)
-    system = list(range(100, 108))                      # an 8-token system prompt: two full chunks
-    tree.add_sequence("a", system + [1, 2, 3])
-    print("b hit tokens:", tree.add_sequence("b", system + [7, 8, 9, 10, 11]))
-    print("fork copies:", tree.fork("a", "a2"))
-    for seq_id in tree.dfs_order():
-        print(seq_id, tree.block_ids(seq_id))
-    print("groups:", tree.sharing_groups(tree.dfs_order()))
-    for seq_id in ("a", "a2", "b"):
-        tree.release(seq_id)
-    print(tree.stats())
-    print("evicted:", tree.evict(2))
-    tree.check_invariants()

@@ -5,17 +5,13 @@ Driven like EngineCore's batch queue, side by side with stock vLLM's AsyncSchedu
 KVCacheManager, on the same sampled tokens: every step schedules the same tokens, every request
 gets the same output, the tree's blocks hold exactly each request's tokens, and a follow-up turn
 (prompt = an earlier prompt + its output) hits the same prefix in both."""
-from collections import deque
 
 import pytest
 
 pytest.importorskip("vllm")
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
@@ -24,8 +20,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_chunkattn.plugin.namespace import request_namespace
 from vllm_chunkattn.plugin.scheduler import ChunkAttnAsyncScheduler
 from vllm_chunkattn.tree import PENDING
-from scheduler_steps import sampled_output
-from vllm_runs import tiny_model
+from scheduler_steps import run_waves, scheduler_config
 
 pytestmark = pytest.mark.vllm
 BS, NUM_BLOCKS = 16, 48
@@ -35,13 +30,7 @@ def make_scheduler(cls, monkeypatch, prefix_aware: bool = False):
     # FCFS in both by default: the same order
     monkeypatch.setenv("CHUNKATTN_PREFIX_AWARE_SCHEDULING", "1" if prefix_aware else "0")
     monkeypatch.setenv("CHUNKATTN_DEBUG_TREE", "1")                # invariants every step
-    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model()), dtype="float32"),
-                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-                        scheduler_config=SchedulerConfig(max_num_batched_tokens=256,
-                                                         max_num_seqs=16, max_model_len=1024,
-                                                         is_encoder_decoder=False))
-    config.scheduler_config.async_scheduling = True
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    config = scheduler_config(BS, NUM_BLOCKS, 256, 16, async_scheduling=True)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
@@ -54,42 +43,12 @@ def sampled(request: Request) -> int:
 
 
 def run(scheduler, waves: list[list[tuple[str, list[int], int]]]) -> dict:
-    """Batch-queue loop (two steps in flight); each wave's requests arrive when the previous
-    wave has finished. Returns per-step scheduled tokens, the KV cache usage vLLM reports as
-    each step is scheduled (what /metrics samples), and every request's output tokens."""
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(BS, hash_fn)
-    steps, usage, outputs, requests, hits = [], [], {}, {}, {}
+    """scheduler_steps.run_waves with two steps in flight; the tree's blocks checked against
+    the requests' tokens after every step."""
     tree = getattr(scheduler, "tree", None)
-
-    def schedule():
-        out = scheduler.schedule()
-        usage.append(scheduler.kv_cache_manager.usage)
-        return out
-
-    for wave in waves:
-        for rid, prompt, max_tokens in wave:
-            requests[rid] = Request(rid, prompt, SamplingParams(max_tokens=max_tokens,
-                                                                ignore_eos=True),
-                                    None, block_hasher=hasher)
-            scheduler.add_request(requests[rid])
-        in_flight = deque([schedule(), schedule()])
-        while in_flight:
-            out = in_flight.popleft()
-            steps.append(dict(out.num_scheduled_tokens))
-            for new in out.scheduled_new_reqs:       # admitted: its prefix hit, in tokens
-                hits.setdefault(new.req_id, new.num_computed_tokens)
-            scheduler.update_from_output(out, sampled_output(out, requests, sampled))
-            if tree is not None:
-                check_tree_holds_request_tokens(tree, requests)
-            nxt = schedule()
-            if nxt.num_scheduled_tokens:
-                in_flight.append(nxt)
-        assert scheduler.get_num_unfinished_requests() == 0
-    for rid, r in requests.items():
-        outputs[rid] = list(r.output_token_ids)
-    return {"steps": steps, "usage": usage, "outputs": outputs, "hits": hits}
+    check = None if tree is None else (lambda requests: check_tree_holds_request_tokens(
+        tree, requests))
+    return run_waves(scheduler, waves, BS, sampled, async_scheduling=True, after_update=check)
 
 
 def check_tree_holds_request_tokens(tree, requests) -> None:

@@ -218,25 +218,27 @@ def test_a_config_without_a_model_is_checked_for_what_it_has():
 
 def test_the_models_we_serve_are_not_refused(tmp_path):
     """No refusal where the layers would accept: the Qwen2 configs carry a sliding_window that
-    their use_sliding_window=false turns off; each gets the tree as its KV cache manager, and
-    the sliding-window families (gpt-oss, Gemma 3) one KV cache group for all layers."""
+    their use_sliding_window=false turns off; each gets the tree as its KV cache manager. Full
+    and windowed layers (gpt-oss, Gemma 2/3) keep vLLM's hybrid KV cache groups, as stock does,
+    except with KV events; a window on every layer (Mistral) gets one KV cache group."""
+    from vllm.config import KVEventsConfig
+
     from vllm_chunkattn.bench.model_shapes import SHAPES, make_shape_model
     from vllm_chunkattn.plugin import ASYNC_SCHEDULER_PATH, SCHEDULER_PATH
     models = [tiny_model()] + [make_shape_model(name, tmp_path / name) for name in SHAPES]
     for model in models:
         config = _engine_config(model, attention_backend="CUSTOM")
         assert config.scheduler_config.scheduler_cls in (SCHEDULER_PATH, ASYNC_SCHEDULER_PATH)
-        slides = model.name in ("gpt-oss-20b", "gemma-3-1b")
-        assert config.scheduler_config.disable_hybrid_kv_cache_manager is slides, model.name
-        if slides:        # stock keeps its hybrid manager
-            assert _engine_config(model).scheduler_config.disable_hybrid_kv_cache_manager is False
-    # A window on every layer (Mistral), or on alternate ones with a soft-cap (Gemma 2), and an
-    # fp8 cache: served, with one KV cache group.
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is False, model.name
+        if model.name in ("gpt-oss-20b", "gemma-3-1b"):
+            events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            config = _engine_config(model, attention_backend="CUSTOM", kv_events_config=events)
+            assert config.scheduler_config.disable_hybrid_kv_cache_manager is True, model.name
     dirs = {name: _model_dir(tmp_path, name, MODELS[name]) for name in ("mistral", "gemma2")}
-    for name, engine_args in (("mistral", {}), ("gemma2", {}),
-                              ("mistral", {"kv_cache_dtype": "fp8"})):
+    for name, engine_args, one_group in (("mistral", {}, True), ("gemma2", {}, False),
+                                         ("mistral", {"kv_cache_dtype": "fp8"}, True)):
         config = _engine_config(dirs[name], attention_backend="CUSTOM", **engine_args)
-        assert config.scheduler_config.disable_hybrid_kv_cache_manager is True, name
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is one_group, name
 
 
 def test_mla_is_refused_by_backend_selection():

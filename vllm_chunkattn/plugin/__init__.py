@@ -102,9 +102,10 @@ def _use_tree_scheduler_with_custom_backend() -> None:
             return
         if reasons := support.tree_config_refusals(vllm_config):
             raise support.tree_refusal(reasons)
-        if support.has_sliding_layers(vllm_config):
-            # The tree manages one KV cache group: windowed and full layers in one, as vLLM's
-            # own --disable-hybrid-kv-cache-manager makes it (resolved after this hook).
+        if (support.has_sliding_layers(vllm_config)
+                and not support.window_groups_served(vllm_config)):
+            # Windowed and full layers in one KV cache group, as vLLM's own
+            # --disable-hybrid-kv-cache-manager makes it (resolved after this hook).
             if sched.disable_hybrid_kv_cache_manager is False:
                 raise support.tree_refusal(["the hybrid KV cache manager "
                                             "(--no-disable-hybrid-kv-cache-manager)"])

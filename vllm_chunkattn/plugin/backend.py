@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-from vllm.v1.kv_cache_interface import KVCacheLayout
+from vllm.v1.kv_cache_interface import KVCacheLayout, SlidingWindowSpec
 from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 
 from .. import __version__, envs
@@ -178,6 +178,11 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         batch_order.install()     # reorder_batch_threshold's per-step cost, where nothing moves
         self._check_host_rows = envs.CHECK_HOST_ROWS         # knobs read once, not every step
         self._exact_seq_lens = vllm_config.speculative_config is None
+        # A window group of a hybrid KV cache holds null blocks before each row's window: the
+        # full group's builder counts the step's sharing, once.
+        self._records_sharing = not (
+            isinstance(kv_cache_spec, SlidingWindowSpec)
+            and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False)
         SHARING_STATS.publish_to_metrics(vllm_config)
         global _announced
         if not _announced:
@@ -232,7 +237,7 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                              self._num_kv_blocks() if plans.check_on_host else None)
             decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
                                self.device, workspace)
-            if record_stats:
+            if record_stats and self._records_sharing:
                 self._record_sharing(host_table, decode_seq_lens, plans, num_prefills > 0)
         prefill = None
         if num_prefills:

@@ -23,6 +23,11 @@ slot before the token that goes in it is sampled: the tree holds it as pending (
 and writes the id when vLLM's `cache_blocks` reports the step's output, or at the next
 allocation, whichever comes first. Speculative decoding's draft tokens are held the same way:
 pending until vLLM accepts them (see `_resolve`).
+
+Hybrid models (full and sliding-window layers in separate KV cache groups, vLLM's default for
+gpt-oss and Gemma 2/3): the tree's chunks are the full-attention group's blocks and
+`WindowGroups` keeps the window groups' blocks in lockstep, freeing those out of every window
+(window_groups.py). Each KVCacheBlocks answer then has one list per group, in vLLM's group order.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import Request, RequestStatus
 
 from ..tree import ChunkPrefixTree, _num_blocks_for
+from ..window_groups import WindowGroups
 from .kv_events import TreeKVEvents
 from .namespace import request_namespace
 
@@ -54,7 +60,24 @@ class ChunkTreeKVCacheManager:
         self.block_size = block_size
         self.tree = ChunkPrefixTree(self.kv_cache_config.num_blocks, block_size)
         self._blocks = self.block_pool.blocks      # block id -> KVCacheBlock (id carrier only)
+        self.window: WindowGroups | None = None
+        self._window_cap: int | None = None        # a window group's admission cap, in blocks
+        groups = [g.kv_cache_spec for g in self.kv_cache_config.kv_cache_groups]
+        self.full_group, window_group_ids = 0, []
+        if len(groups) > 1:                        # one full group, the rest windowed (support.py)
+            window_group_ids = [i for i, spec in enumerate(groups)
+                                if getattr(spec, "sliding_window", None)]
+            self.full_group = next(i for i in range(len(groups)) if i not in window_group_ids)
+            self.window = WindowGroups(self.tree, len(window_group_ids),
+                                       groups[window_group_ids[0]].sliding_window)
+            manager = self.coordinator.single_type_managers[window_group_ids[0]]
+            self._window_cap = getattr(manager, "max_admission_blocks_per_request", None)
+        self._window_group_ids = window_group_ids
         self.kv_events = None
+        if self.enable_kv_cache_events and self.enable_caching and self.window is not None:
+            # The plugin gives models with windowed layers one KV cache group when events are on.
+            raise NotImplementedError("KV cache events with hybrid KV cache groups: the chunk "
+                                      "tree publishes the full-attention group's only")
         if self.enable_kv_cache_events and self.enable_caching:
             self.kv_events = TreeKVEvents(self.tree, self.block_pool, block_size)
             self.kv_events.install(self)
@@ -84,7 +107,7 @@ class ChunkTreeKVCacheManager:
     @property
     def usage(self) -> float:
         tree = self.tree
-        num_free = len(tree.free_block_ids) + tree.num_cached_blocks   # as vLLM: cached is free
+        num_free = len(tree.free_block_ids) + tree.num_reclaimable_blocks  # as vLLM: cached is free
         return 1.0 - num_free / tree.pool_size
 
     def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
@@ -98,29 +121,54 @@ class ChunkTreeKVCacheManager:
             max_tokens = min(max_tokens, max_cache_hit_length)
         matched = self.tree.match_prefix(request.all_token_ids, request_namespace(request),
                                          max_tokens)
+        if self.window is not None:
+            matched = matched[:self.window.hit_length(matched)]
         if not matched:
             return self.empty_kv_cache_blocks, 0, 0
         if self.kv_events is not None:
             self.kv_events.announce_hit(request, matched)
-        blocks = self._blocks
-        return (KVCacheBlocks(([blocks[c.block_id] for c in matched],)),
+        window_rows = self.window.hit_block_ids(matched) if self.window is not None else ()
+        return (self._kv_blocks([c.block_id for c in matched], window_rows),
                 len(matched) * self.block_size, 0)
+
+    def _kv_blocks(self, full_ids: list[int], window_rows=()) -> KVCacheBlocks:
+        """KVCacheBlocks of these block ids: the full group's, then each window group's."""
+        blocks = self._blocks
+        if self.window is None:
+            return KVCacheBlocks(([blocks[b] for b in full_ids],))
+        per_group = [None] * (1 + len(self._window_group_ids))
+        per_group[self.full_group] = [blocks[b] for b in full_ids]
+        for g, row in zip(self._window_group_ids, window_rows):
+            per_group[g] = [blocks[b] for b in row]
+        return KVCacheBlocks(tuple(per_group))
+
+    def _block_id_rows(self, full_ids: list[int], window_rows=()) -> tuple[list[int], ...]:
+        if self.window is None:
+            return (full_ids,)
+        rows = [None] * (1 + len(self._window_group_ids))
+        rows[self.full_group] = full_ids
+        for g, row in zip(self._window_group_ids, window_rows):
+            rows[g] = row
+        return tuple(rows)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         if request_id not in self.tree.seqs:
             return self.empty_kv_cache_blocks
-        blocks = self._blocks
-        return KVCacheBlocks(([blocks[b] for b in self.tree.block_ids(request_id)],))
+        return self._kv_blocks(self.tree.block_ids(request_id), self._window_rows(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         if request_id not in self.tree.seqs:
-            return ([],)
-        return (self.tree.block_ids(request_id),)
+            return self._block_id_rows([], [[]] * len(self._window_group_ids))
+        return self._block_id_rows(self.tree.block_ids(request_id),
+                                   self._window_rows(request_id))
+
+    def _window_rows(self, request_id: str):
+        return self.window.block_ids(request_id) if self.window is not None else ()
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
                                           ) -> tuple[list[int], ...]:
         num_blocks = _num_blocks_for(num_computed_tokens, self.block_size)
-        return (self.get_block_ids(request_id)[0][:num_blocks],)
+        return tuple(row[:num_blocks] for row in self.get_block_ids(request_id))
 
     def get_computed_blocks_for_connector(self, request: Request,
                                           max_cache_hit_length: int | None = None
@@ -132,8 +180,10 @@ class ChunkTreeKVCacheManager:
     def truncate_computed_blocks(self, blocks: KVCacheBlocks,
                                  num_computed_tokens: int) -> KVCacheBlocks:
         assert num_computed_tokens % self.block_size == 0, num_computed_tokens
-        kept = list(blocks.blocks[0][:num_computed_tokens // self.block_size])
-        return KVCacheBlocks((kept,)) if kept else self.empty_kv_cache_blocks
+        num_blocks = num_computed_tokens // self.block_size
+        if not num_blocks:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(tuple(list(group[:num_blocks]) for group in blocks.blocks))
 
     def estimate_cached_tokens(self, request: Request) -> int:
         seq = self.tree.seqs.get(request.request_id)
@@ -161,24 +211,36 @@ class ChunkTreeKVCacheManager:
             return self._admit(request, target, num_new_computed_tokens, full_sequence_must_fit,
                                reserved_blocks, has_scheduled_reqs)
         self._resolve(request)
+        window = self.window
+        if window is not None:
+            # As vLLM's allocate_slots: on the processed-token basis (in-flight steps' windows
+            # still read below the optimistic boundary), before allocating.
+            window.release_skipped(rid, max(0, request.num_computed_tokens
+                                            + num_new_computed_tokens
+                                            - getattr(request, "num_in_flight_tokens", 0)))
         have = tree.num_tokens(rid)
         if target <= have:
             # Slots of rejected draft tokens stay allocated (pending), as vLLM keeps their
             # blocks: this step's tokens go into them.
             return self.empty_kv_cache_blocks
-        if reserved_blocks and not tree.can_allocate(
-                _num_blocks_for(target, self.block_size) - len(tree.block_ids(rid))
-                + reserved_blocks):
+        num_new = _num_blocks_for(target, self.block_size) - len(tree.block_ids(rid))
+        if window is not None:
+            num_new += window.num_new_blocks(num_new)
+        if (reserved_blocks or window is not None) and not tree.can_allocate(num_new
+                                                                            + reserved_blocks):
             return None
         known = request.num_tokens              # beyond it: slots for tokens not sampled yet
         new_block_ids = tree.append(rid, request.all_token_ids[have:min(target, known)],
                                     num_pending=max(0, target - max(have, known)))
         if new_block_ids is None:
             return None
+        # A tail the tokens just filled is a chunk now, even with no new block.
+        new_bundles = window.sync(rid) if window is not None else ()
         if not new_block_ids:
             return self.empty_kv_cache_blocks
-        blocks = self._blocks
-        return KVCacheBlocks(([blocks[b] for b in new_block_ids],))
+        if window is None:
+            return self._kv_blocks(new_block_ids)
+        return self._kv_blocks(new_block_ids, _columns(new_bundles, window.num_groups))
 
     def _admit(self, request: Request, target: int, num_hit_tokens: int,
                full_sequence_must_fit: bool, reserved_blocks: int,
@@ -187,6 +249,9 @@ class ChunkTreeKVCacheManager:
         namespace = request_namespace(request)
         token_ids = request.all_token_ids
         matched = tree.match_prefix(token_ids, namespace, num_hit_tokens) if num_hit_tokens else []
+        window = self.window
+        if window is not None:
+            matched = matched[:window.hit_length(matched)]
         if len(matched) * bs != num_hit_tokens:
             return None     # the hit get_computed_blocks reported is gone: retry next step
         watermark = 0
@@ -197,24 +262,38 @@ class ChunkTreeKVCacheManager:
         # kept), and reserved_blocks gates only the chunk scheduled now.
         if full_sequence_must_fit:
             num_tokens = min(request.num_tokens, self.max_model_len)
-            if not tree.can_allocate(_num_blocks_for(num_tokens, bs) - len(matched) + watermark,
-                                     matched):
+            num_blocks = _num_blocks_for(num_tokens, bs)
+            num_new = num_blocks - len(matched)
+            if window is not None:      # as vLLM: a window's blocks up to its admission cap
+                cap = self._window_cap
+                num_window = num_blocks if cap is None else min(num_blocks, cap)
+                num_new += window.num_new_blocks(max(0, num_window - len(matched)))
+            if not tree.can_allocate(num_new + watermark, matched):
                 return None
-        if watermark or reserved_blocks:
-            need = _num_blocks_for(target, bs) - len(matched) + watermark + reserved_blocks
-            if not tree.can_allocate(need, matched):
+        num_new = _num_blocks_for(target, bs) - len(matched)
+        if window is not None:
+            num_new += window.num_new_blocks(num_new)
+        if watermark or reserved_blocks or window is not None:
+            if not tree.can_allocate(num_new + watermark + reserved_blocks, matched):
                 return None
         known = min(target, request.num_tokens)     # beyond it: slots for unsampled tokens
+        if window is not None:
+            window.admit(rid, matched)              # held first: allocations may reclaim
         shared = tree.add_sequence(rid, token_ids[:known], namespace,
                                    max_shared_tokens=num_hit_tokens, num_pending=target - known)
-        if shared is None:
+        if shared is None:      # no window here: with one, can_allocate said it fits
+            assert window is None
             return None
         assert shared == num_hit_tokens, (shared, num_hit_tokens)
-        blocks = self._blocks
-        return KVCacheBlocks(([blocks[b] for b in tree.block_ids(rid)[len(matched):]],))
+        new_block_ids = tree.block_ids(rid)[len(matched):]
+        if window is None:
+            return self._kv_blocks(new_block_ids)
+        return self._kv_blocks(new_block_ids, _columns(window.sync(rid), window.num_groups))
 
     def free(self, request: Request) -> None:
         if request.request_id in self.tree.seqs:
+            if self.window is not None:
+                self.window.release(request.request_id)
             self.tree.release(request.request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list:
@@ -241,7 +320,9 @@ class ChunkTreeKVCacheManager:
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        pass                                # full attention skips nothing
+        # Full attention skips nothing; window groups let go of what fell out of the window.
+        if self.window is not None and request_id in self.tree.seqs:
+            self.window.release_skipped(request_id, processed_computed_tokens)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         # Only KV-connector load failures ask for this (connectors are refused at start-up).
@@ -292,3 +373,8 @@ class ChunkTreeKVCacheManager:
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         raise NotImplementedError("KV connectors are not supported by the chunk tree "
                                   "(record_blocks_for_zeroing after a failed KV load)")
+
+
+def _columns(bundles: list[tuple[int, ...]], num_groups: int) -> list[list[int]]:
+    """Per window group, the block of each new position (bundles: one per position)."""
+    return [[bundle[g] for bundle in bundles] for g in range(num_groups)]

@@ -49,7 +49,9 @@ MATRIX = (
      f"{_sizes(CUDA_HEAD_SIZES)} on GPU"),
     ("sliding window (gpt-oss, Gemma 2/3, Mistral, Phi-4-mini), attention sinks (gpt-oss), "
      "logits soft-capping (Gemma 2)", True,
-     "windowed layers keep every token's KV (as vLLM's --disable-hybrid-kv-cache-manager)"),
+     "full and windowed layers in vLLM's hybrid KV cache groups, out-of-window blocks freed; "
+     "with KV events or speculative decoding, and on models whose every layer slides, "
+     "windowed layers keep every token's KV (as --disable-hybrid-kv-cache-manager)"),
     ("tensor parallel", True, "each rank plans its own heads"),
     ("data parallel (`--data-parallel-size`)", True,
      "each rank its own engine and tree; /metrics and stats files per rank"),
@@ -67,8 +69,8 @@ MATRIX = (
     ("ALiBi, chunked local attention (Llama 4)", False, "not computed exactly by TPP decode"),
     ("MLA (DeepSeek), encoder-decoder, cross-attention", False, "decoder self-attention only"),
     ("fp8 KV cache on GPUs, other quantized KV caches", False, "no kernel reads them"),
-    ("hybrid KV cache groups (Mamba, linear attention)", False,
-     "the tree manages one attention group"),
+    ("hybrid KV cache groups of Mamba or linear attention, windows of several sizes", False,
+     "the tree manages one full-attention group and windowed groups of one window"),
     ("speculative decoding with n-gram drafts (`--speculative-config '{\"method\": "
      "\"ngram\", ...}'`)", True, "verify rows through TPP, one row per query token; draft "
      "slots pending in the tree until accepted"),
@@ -190,6 +192,24 @@ def has_sliding_layers(vllm_config) -> bool:
             or model.get_sliding_window() is not None)
 
 
+def has_full_and_sliding_layers(vllm_config) -> bool:
+    """Sliding and full attention layers interleaved (gpt-oss, Gemma 2/3): vLLM's hybrid KV
+    cache manager gives them separate KV cache groups."""
+    model = vllm_config.model_config
+    layer_types = getattr(model.hf_text_config, "layer_types", None) or () if model else ()
+    return "sliding_attention" in layer_types and "full_attention" in layer_types
+
+
+def window_groups_served(vllm_config) -> bool:
+    """Whether the tree takes vLLM's hybrid KV cache groups (window_groups.py) for this config;
+    otherwise windowed layers share the full group's blocks (--disable-hybrid-kv-cache-manager).
+    Not with KV events (one event stream per group) or speculative decoding (drafter groups)."""
+    events = vllm_config.kv_events_config
+    events_on = events is not None and events.enable_kv_cache_events
+    return (has_full_and_sliding_layers(vllm_config) and not events_on
+            and vllm_config.speculative_config is None)
+
+
 def tree_config_refusals(vllm_config) -> list[str]:
     """What the config alone shows the tree cannot serve: no external KV (connectors).
     (Speculative decoding: speculative_refusals, which config_refusals and the tree
@@ -206,13 +226,23 @@ def tree_config_refusals(vllm_config) -> list[str]:
 
 
 def kv_cache_config_refusals(kv_cache_config, max_model_len: int | None = None) -> list[str]:
-    """What in the KV cache layout alone the tree cannot serve: one attention group only (full
-    or windowed layers; the tree keeps every token's KV, so the pool must hold one request of
-    max_model_len tokens, which vLLM checks for windowed groups only up to the window)."""
+    """What in the KV cache layout alone the tree cannot serve: one attention group (full or
+    windowed layers; the tree keeps every token's KV, so the pool must hold one request of
+    max_model_len tokens, which vLLM checks for windowed groups only up to the window), or one
+    full-attention group with windowed groups of one window and block size (window_groups.py)."""
     reasons = []
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        reasons.append(f"{len(groups)} KV cache groups (hybrid models)")
+    if len(groups) > 1:
+        specs = [g.kv_cache_spec for g in groups]
+        kinds = [get_kv_cache_spec_kind(spec) for spec in specs]
+        windows = {getattr(spec, "sliding_window", None) for spec, kind in zip(specs, kinds)
+                   if kind == KVCacheSpecKind.SLIDING_WINDOW}
+        if (kinds.count(KVCacheSpecKind.FULL_ATTENTION) != 1
+                or kinds.count(KVCacheSpecKind.SLIDING_WINDOW) != len(kinds) - 1
+                or len(windows) != 1 or len({spec.block_size for spec in specs}) != 1):
+            reasons.append(f"{len(groups)} KV cache groups of "
+                           f"{', '.join(sorted({k.value for k in kinds}))} (hybrid models "
+                           "other than full attention with windowed layers of one window)")
     else:
         spec = groups[0].kv_cache_spec
         kind = get_kv_cache_spec_kind(spec)
