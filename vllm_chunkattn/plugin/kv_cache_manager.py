@@ -132,17 +132,13 @@ class ChunkTreeKVCacheManager:
                 len(matched) * self.block_size, 0)
 
     def _kv_blocks(self, full_ids: list[int], window_rows=()) -> KVCacheBlocks:
-        """KVCacheBlocks of these block ids: the full group's, then each window group's."""
+        """KVCacheBlocks of these block ids (_block_id_rows)."""
         blocks = self._blocks
-        if self.window is None:
-            return KVCacheBlocks(([blocks[b] for b in full_ids],))
-        per_group = [None] * (1 + len(self._window_group_ids))
-        per_group[self.full_group] = [blocks[b] for b in full_ids]
-        for g, row in zip(self._window_group_ids, window_rows):
-            per_group[g] = [blocks[b] for b in row]
-        return KVCacheBlocks(tuple(per_group))
+        return KVCacheBlocks(tuple([blocks[b] for b in row]
+                                   for row in self._block_id_rows(full_ids, window_rows)))
 
     def _block_id_rows(self, full_ids: list[int], window_rows=()) -> tuple[list[int], ...]:
+        """One row per KV cache group in vLLM's order: the full group's, each window group's."""
         if self.window is None:
             return (full_ids,)
         rows = [None] * (1 + len(self._window_group_ids))
