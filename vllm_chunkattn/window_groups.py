@@ -134,9 +134,10 @@ class WindowGroups:
             self._hold(chunk)
         self.seqs[seq_id] = _WindowSeq(start, len(matched))
 
-    def sync(self, seq_id: Hashable) -> list[tuple[int, ...]]:
+    def sync(self, seq_id: Hashable) -> list[list[int]]:
         """After the tree gave the sequence new block positions: a bundle for each, and chunks
-        the sequence just filled take theirs. Returns the new positions' bundles."""
+        the sequence just filled take theirs. Returns, per window group, the new positions'
+        blocks."""
         seq, tree_seq = self.seqs[seq_id], self.tree.seqs[seq_id]
         chunks = tree_seq.chunks
         num_positions = len(chunks) + (tree_seq.tail_block_id is not None)
@@ -149,7 +150,7 @@ class WindowGroups:
             seq.num_own_chunks += 1
         seq.tail = bundles.pop(0) if bundles else None
         assert not bundles
-        return new
+        return [[bundle[g] for bundle in new] for g in range(self.num_groups)]
 
     def release_skipped(self, seq_id: Hashable, num_processed_tokens: int) -> None:
         """vLLM's remove_skipped_blocks: let go of chunks no later token's window reads."""

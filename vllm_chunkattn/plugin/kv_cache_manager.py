@@ -231,12 +231,10 @@ class ChunkTreeKVCacheManager:
         if new_block_ids is None:
             return None
         # A tail the tokens just filled is a chunk now, even with no new block.
-        new_bundles = window.sync(rid) if window is not None else ()
+        window_rows = window.sync(rid) if window is not None else ()
         if not new_block_ids:
             return self.empty_kv_cache_blocks
-        if window is None:
-            return self._kv_blocks(new_block_ids)
-        return self._kv_blocks(new_block_ids, _columns(new_bundles, window.num_groups))
+        return self._kv_blocks(new_block_ids, window_rows)
 
     def _admit(self, request: Request, target: int, num_hit_tokens: int,
                full_sequence_must_fit: bool, reserved_blocks: int,
@@ -281,10 +279,8 @@ class ChunkTreeKVCacheManager:
             assert window is None
             return None
         assert shared == num_hit_tokens, (shared, num_hit_tokens)
-        new_block_ids = tree.block_ids(rid)[len(matched):]
-        if window is None:
-            return self._kv_blocks(new_block_ids)
-        return self._kv_blocks(new_block_ids, _columns(window.sync(rid), window.num_groups))
+        return self._kv_blocks(tree.block_ids(rid)[len(matched):],
+                               window.sync(rid) if window is not None else ())
 
     def free(self, request: Request) -> None:
         if request.request_id in self.tree.seqs:
@@ -369,8 +365,3 @@ class ChunkTreeKVCacheManager:
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         raise NotImplementedError("KV connectors are not supported by the chunk tree "
                                   "(record_blocks_for_zeroing after a failed KV load)")
-
-
-def _columns(bundles: list[tuple[int, ...]], num_groups: int) -> list[list[int]]:
-    """Per window group, the block of each new position (bundles: one per position)."""
-    return [[bundle[g] for bundle in bundles] for g in range(num_groups)]
