@@ -17,11 +17,14 @@ from ..plugin.kv_cache_manager import ChunkTreeKVCacheManager
 KINDS = ("stock_nocache", "stock", "tree")
 
 
-def make_manager(kind: str, num_blocks: int, block_size: int, max_model_len: int = 1 << 16):
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
-                             dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+def make_manager(kind: str, num_blocks: int, block_size: int, max_model_len: int = 1 << 16,
+                 config: KVCacheConfig | None = None):
+    """config: the KV cache layout (default: one full-attention group of num_blocks)."""
+    if config is None:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
+                                 dtype=torch.float32)
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     stock = KVCacheManager(kv_cache_config=config, max_model_len=max_model_len,
                            scheduler_block_size=block_size, hash_block_size=block_size,
                            enable_caching=kind != "stock_nocache", log_stats=True)
@@ -31,11 +34,12 @@ def make_manager(kind: str, num_blocks: int, block_size: int, max_model_len: int
 class Sim:
     """One manager and its requests; requests carry vLLM's block hasher like EngineCore's."""
 
-    def __init__(self, kind: str, num_blocks: int, block_size: int):
+    def __init__(self, kind: str, num_blocks: int, block_size: int,
+                 config: KVCacheConfig | None = None):
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(block_size, hash_fn)
-        self.manager = make_manager(kind, num_blocks, block_size)
+        self.manager = make_manager(kind, num_blocks, block_size, config=config)
         self.requests: dict[str, Request] = {}
 
     def admit(self, request_id: str, prompt: list[int]) -> int | None:

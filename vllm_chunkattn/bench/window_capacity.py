@@ -50,28 +50,17 @@ def kv_cache_config(name: str, block_size: int, memory: int, hybrid: bool):
     return get_kv_cache_config_from_groups(config, groups, memory)
 
 
-def make_manager(variant: str, kv_config, block_size: int):
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    from ..plugin.kv_cache_manager import ChunkTreeKVCacheManager
-    stock = KVCacheManager(kv_cache_config=kv_config, max_model_len=1 << 16,
-                           scheduler_block_size=block_size, hash_block_size=block_size,
-                           enable_caching=True, log_stats=False)
-    return stock if variant == "stock" else ChunkTreeKVCacheManager(stock, block_size)
-
-
 def requests_held(variant: str, name: str, block_size: int, memory: int, prompts,
                   chunk: int, decode: int) -> tuple[int, int]:
     """(requests admitted before one no longer fits, the pool's blocks)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request, RequestStatus
+
+    from .kv_manager_sim import Sim
     kv_config = kv_cache_config(name, block_size, memory, hybrid=variant != "tree, full-length")
-    manager = make_manager(variant, kv_config, block_size)
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(block_size, hash_fn)
+    sim = Sim("stock" if variant == "stock" else "tree", kv_config.num_blocks, block_size,
+              kv_config)
+    manager, hasher = sim.manager, sim.hasher
     for n, prompt in enumerate(prompts):
         req = Request(f"r{n}", list(prompt), SamplingParams(max_tokens=decode), None,
                       block_hasher=hasher)
