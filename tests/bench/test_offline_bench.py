@@ -36,6 +36,7 @@ def test_offline_bench_tiny(tmp_path):
         assert r["max_tie_gap"] == "nan", r
         # The warm-up cached every prompt: a timed call recomputes only the last token.
         assert float(r["cached_prompt_pct"]) > 99, r
+        assert (r["draft_tokens"], r["accepted_tokens"]) == ("0", "0"), r   # no speculation
     md = (out / "offline_test.md").read_text()
     assert md.count("Command: `python -m vllm_chunkattn.bench offline") == 1
     assert "Share of the shared-prefix attention cost removed at S = 128" in md
@@ -45,3 +46,26 @@ def test_offline_bench_tiny(tmp_path):
         r"(stock|custom) started at ([\d.]+), ready at ([\d.]+)", md)}
     assert starts.keys() == {"stock", "custom"}, md
     assert max(t0 for t0, _ in starts.values()) < min(ready for _, ready in starts.values()), md
+
+
+def test_offline_bench_counts_drafts_with_speculative_decoding(tmp_path):
+    """With n-gram drafts on both engines the report has vLLM's draft and acceptance counts of
+    the timed calls: the same in both systems (greedy, the same tokens), some drafts rejected."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "results"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \
+           '"prompt_lookup_min": 2}'
+    proc = subprocess.run([sys.executable, "-m", "vllm_chunkattn.bench", "offline", "--batch", "4",
+                           "--max-tokens", "32", "--shared", "64", "--repeats", "1",
+                           "--dtype", "float32", "--block-size", "32", "--out", str(out),
+                           "--tag", "spec", "--speculative-config", spec],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["system"]: r for r in csv.DictReader(open(out / "offline_spec.csv"))}
+    counts = {s: (int(r["draft_tokens"]), int(r["accepted_tokens"])) for s, r in rows.items()}
+    assert counts["stock"] == counts["custom"], counts
+    drafted, accepted = counts["stock"]
+    assert 0 < accepted < drafted, counts
+    assert int(rows["custom"]["mismatched_requests"]) == 0
+    md = (out / "offline_spec.md").read_text()
+    assert f"shared64: stock {drafted} / {accepted}, custom {drafted} / {accepted}" in md, md

@@ -11,7 +11,7 @@ import torch
 
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import tpp_decode_reference
-from vllm_chunkattn.plan import build_plan, query_rows
+from vllm_chunkattn.plan import PlanCache, build_plan, query_rows
 
 OPS = native_ops(torch.device("cpu"))
 BS, HEADS, KV_HEADS, HEAD_SIZE = 16, 8, 2, 64
@@ -24,7 +24,7 @@ SEQUENCES = (("a", 45, 4), ("b", 34, 4), ("c", 40, 1), ("d", 3, 3))
 LOGICAL_BLOCKS = {"a": [0, 1, 2], "b": [0, 1, 3], "c": [0, 4, 5], "d": [6]}
 
 
-def batch(seed: int):
+def batch(seed: int, sequences=SEQUENCES):
     """Per sequence its contiguous K/V (the oracle's input) and the same KV in a paged cache
     whose blocks are permuted (block 0 left unused, as vLLM's null block)."""
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +36,7 @@ def batch(seed: int):
     key_cache[physical], value_cache[physical] = logical_kv[0], logical_kv[1]
     width = max(len(b) for b in LOGICAL_BLOCKS.values())
     table, seq_lens, starts, contiguous = [], [], [0], []
-    for name, seq_len, num_query in SEQUENCES:
+    for name, seq_len, num_query in sequences:
         ids = [int(physical[b]) for b in LOGICAL_BLOCKS[name]]
         table.append(ids + [0] * (width - len(ids)))
         seq_lens.append(seq_len)
@@ -98,3 +98,70 @@ def test_verify_rows_through_tpp_match_causal_attention(seed, sliding_window):
     OPS.tpp_decode(query, key_cache, value_cache, block_table, lens, *plan.tensors(), *ws, SCALE,
                    out, None, sliding_window, 0.0, None, 1.0, 1.0)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def run_native(plan, query, key_cache, value_cache, block_table, lens, sliding_window=0):
+    slots = max(plan.num_partials, 1)
+    ws = (torch.full((slots, HEADS, HEAD_SIZE), float("nan")),
+          torch.full((slots, HEADS), float("nan")), torch.full((slots, HEADS), float("nan")))
+    out = torch.full(query.shape, float("nan"))
+    OPS.tpp_decode(query, key_cache, value_cache, block_table, lens, *plan.tensors(), *ws, SCALE,
+                   out, None, sliding_window, 0.0, None, 1.0, 1.0)
+    return out
+
+
+@pytest.mark.parametrize("sliding_window", [0, 20])
+def test_query_row_plan_from_the_request_rows_plan(sliding_window):
+    """PlanCache with query_start_loc: the request rows planned on their first query tokens,
+    expanded to query rows. Here (by hand): a's first token sees 42 tokens (2 full chunks), b's
+    31 (1), c's 40 (2), d's 1 (0). Chunk 0 is shared by the 9 query tokens of a, b and c; a's
+    chunk 1 is its own, read once for its 4 tokens; b's chunk 1 holds its drafts' KV, so each of
+    its tokens walks it in its own tail."""
+    query, key_cache, value_cache, table, seq_lens, starts, contiguous = batch(0)
+    plans = PlanCache(BS)
+    plan = plans.get(table, seq_lens, query_start_loc=starts)
+    phys = {name: table[i].tolist() for i, (name, _, _) in enumerate(SEQUENCES)}
+    assert plan.node_block_ids.tolist() == [phys["a"][0], phys["a"][1]]
+    assert plan.node_seq_indptr.tolist() == [0, 9, 13]
+    assert sorted(plan.node_seq_ids[:9].tolist()) == list(range(9))
+    assert plan.node_seq_ids[9:].tolist() == [0, 1, 2, 3]
+    assert plan.node_first_block.tolist() == [0, 1]
+    assert plan.seq_num_shared_blocks.tolist() == [2] * 4 + [1] * 4 + [1] + [0] * 3
+    row_of_token, token_lens = query_rows(starts, seq_lens)
+    block_table = torch.from_numpy(table[row_of_token])
+    lens = torch.from_numpy(token_lens.astype(np.int32))
+    want = causal_oracle(query, starts, contiguous, sliding_window).float()
+    ref = tpp_decode_reference(query, key_cache, value_cache, block_table, lens, plan, SCALE,
+                               sliding_window=sliding_window)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+    if OPS is None:
+        pytest.skip("vllm_chunkattn._C not built (python setup.py build_ext --inplace)")
+    out = run_native(plan, query, key_cache, value_cache, block_table, lens, sliding_window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+# Steps of the same requests: b's drafts now lie in its own chunk 3 past the chunks 0-1 it shares
+# with a. Then a accepted one draft and verifies 2, b accepted none and decodes one token, d
+# verifies 2; then a step without drafts. No first query token gains a full chunk, so the plan
+# of the request rows stays (a plan of query rows would be rebuilt: their number changes).
+STEPS = ((("a", 45, 4), ("b", 36, 4), ("c", 40, 1), ("d", 3, 3)),
+         (("a", 45, 2), ("b", 34, 1), ("c", 41, 1), ("d", 3, 2)),
+         (("a", 46, 1), ("b", 35, 1), ("c", 42, 1), ("d", 4, 1)))
+
+
+def test_the_request_rows_plan_is_reused_while_the_drafts_change():
+    plans = PlanCache(BS)
+    for sequences in STEPS:
+        query, key_cache, value_cache, table, seq_lens, starts, contiguous = batch(0, sequences)   # the same pages
+        multi = int(np.diff(starts).max()) > 1
+        plan = plans.get(table, seq_lens, query_start_loc=starts if multi else None)
+        row_of_token, token_lens = query_rows(starts, seq_lens)
+        block_table = torch.from_numpy(table[row_of_token])
+        lens = torch.from_numpy(token_lens.astype(np.int32))
+        want = causal_oracle(query, starts, contiguous).float()
+        got = (tpp_decode_reference(query, key_cache, value_cache, block_table, lens, plan, SCALE)
+               if OPS is None else run_native(plan, query, key_cache, value_cache, block_table,
+                                              lens))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert plan.num_seqs == len(row_of_token)
+    assert (plans.num_builds, plans.num_reuses) == (1, 2)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import math
 import multiprocessing as mp
@@ -31,14 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_chunkattn.bench import provenance
+from vllm_chunkattn.bench.offline_report import SYSTEMS, shared_cost_removed, write_report
 from vllm_chunkattn.bench.token_identity import TOP_K, compare, position_logprobs
 from vllm_chunkattn.bench.model_shapes import describe, has_weights
-
-SYSTEMS = ("stock", "custom")
-COLUMNS = ["workload", "shared_len", "private_len", "prompt_len", "batch", "max_tokens", "system",
-           "median_tok_s", "best_tok_s", "median_step_ms", "best_step_ms", "ratio_custom_stock",
-           "cached_prompt_pct", "mismatched_requests", "max_logprob_diff", "max_tie_gap",
-           "seconds"]
 
 
 @dataclass
@@ -95,15 +89,30 @@ def _engine_main(conn, engine_kwargs: dict, log_path: str) -> None:
         # No detokenizing: model_shapes models emit ids past their small tokenizer's vocab.
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 detokenize=False, logprobs=logprobs)
+        before = _spec_counts(llm)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                             use_tqdm=False)
         seconds = time.perf_counter() - t0
+        after = _spec_counts(llm)
         conn.send(("done", (seconds, [list(o.outputs[0].token_ids) for o in outs],
                             sum(o.num_cached_tokens or 0 for o in outs),
                             [position_logprobs(o.outputs[0]) for o in outs] if logprobs
-                            else None)))
+                            else None,
+                            tuple(b - a for a, b in zip(before, after)) if after else None)))
     conn.close()
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def _spec_counts(llm) -> tuple[int, ...]:
+    """(draft tokens, accepted draft tokens) so far, from vLLM's own spec-decode counters; ()
+    without speculative decoding."""
+    if llm.llm_engine.vllm_config.speculative_config is None:
+        return ()
+    values = {m.name: m.value for m in llm.get_metrics() if m.name in SPEC_COUNTERS}
+    return tuple(int(values.get(name, 0)) for name in SPEC_COUNTERS)
 
 
 class Engine:
@@ -122,7 +131,8 @@ class Engine:
         self.ready = time.monotonic()
 
     def generate(self, prompts, max_tokens: int, logprobs: int | None = None):
-        """(seconds, token ids per prompt, cached prompt tokens, logprobs per prompt or None)"""
+        """(seconds, token ids per prompt, cached prompt tokens, logprobs per prompt or None,
+        (draft tokens, accepted) of the call or None without speculative decoding)"""
         self.conn.send(("generate", prompts, max_tokens, logprobs))
         return self._recv("done")
 
@@ -159,12 +169,14 @@ def run_workload(engines: dict[str, Engine], w: Workload, a) -> list[dict]:
         e.generate(w.prompts[:1], 1)
         e.generate(w.prompts, 1)
     times = {s: [] for s in SYSTEMS}
-    cached = {}
+    cached, drafts = {}, {s: [0, 0] for s in SYSTEMS}
     for _ in range(a.repeats):
         for s in ("stock", "custom", "custom", "stock"):
-            seconds, _, num_cached, _ = engines[s].generate(w.prompts, a.max_tokens)
+            seconds, _, num_cached, _, spec = engines[s].generate(w.prompts, a.max_tokens)
             times[s].append(seconds)
             cached.setdefault(s, num_cached)
+            if spec:
+                drafts[s] = [n + d for n, d in zip(drafts[s], spec)]
     # One untimed call more per system, with logprobs: same tokens as the timed calls (greedy,
     # same batch), and how close the systems' numbers are.
     checked = {s: engines[s].generate(w.prompts, a.max_tokens, TOP_K) for s in SYSTEMS}
@@ -184,106 +196,12 @@ def run_workload(engines: dict[str, Engine], w: Workload, a) -> list[dict]:
                      "mismatched_requests": identity.mismatched,
                      "max_logprob_diff": identity.max_logprob_diff,
                      "max_tie_gap": identity.max_tie_gap,
+                     "draft_tokens": drafts[s][0], "accepted_tokens": drafts[s][1],
                      "seconds": " ".join(f"{t:.3f}" for t in times[s])})
     ratio = rows[1]["median_tok_s"] / rows[0]["median_tok_s"]
     for r in rows:
         r["ratio_custom_stock"] = ratio
     return rows
-
-
-def shared_cost_removed(rows: list[dict]) -> list[tuple[int, float]]:
-    """(S, share) for each S > 0: (TPOT_stock(S) - TPOT_custom(S)) / (TPOT_stock(S) -
-    TPOT_stock(0)), median step times; needs the shared-0 workload at the same private length."""
-    step = {(r["shared_len"], r["system"]): r["median_step_ms"] for r in rows}
-    if (0, "stock") not in step:
-        return []
-    out = []
-    for s in sorted({r["shared_len"] for r in rows if r["shared_len"] > 0}):
-        extra = step[(s, "stock")] - step[(0, "stock")]
-        out.append((s, (step[(s, "stock")] - step[(s, "custom")]) / extra if extra > 0
-                    else math.nan))
-    return out
-
-
-# ---- report
-
-def write_report(rows: list[dict], setup: dict, out: Path, tag: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"offline_{tag}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        wr.writeheader()
-        for r in rows:
-            wr.writerow({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()})
-    m = setup["model"]
-    lines = [f"# Offline A/B: stock vLLM vs `attention_backend=\"CUSTOM\"` ({tag})", "",
-             f"Command: `{setup['command']}`", "",
-             f"- machine: {setup['machine']}; load average (1/5/15 min) before "
-             f"{setup['load_before']}, after {setup['load_after']}",
-             f"- model: `{m['path']}` ({m['architecture']}, {m['num_layers']} layers, "
-             f"{m['num_heads']} q / {m['num_kv_heads']} kv heads, head_dim {m['head_size']})"
-             f"{', dummy weights' if setup['dummy'] else ''}; dtype {setup['dtype']}, "
-             f"block size {setup['block_size']}, enforce_eager {setup['enforce_eager']}, "
-             f"{setup['kv_space']} per engine"
-             + (f"; speculative decoding `{setup['speculative_config']}` on both"
-                if setup.get("speculative_config") else ""),
-             f"- commit {setup['commit']}, {setup['native']}, {setup['date']}, "
-             f"wall {setup['wall_min']:.1f} min; engine logs in `{setup['log_dir']}`",
-             "- engines (seconds from the run's start): " + "; ".join(
-                 f"{s} started at {t0:.1f}, ready at {ready:.1f}"
-                 for s, (t0, ready) in setup["engine_starts"].items()), "",
-             f"Each timed call is one `LLM.generate` of the whole batch (greedy, ignore_eos) after "
-             f"both engines prefilled and cached every prompt: one 1-token-per-request prefill "
-             f"step + {setup['max_tokens'] - 1} decode steps. Order A B B A x {setup['repeats']}. "
-             f"tok/s = batch x max_tokens / seconds; step = seconds / max_tokens. Cached % is the "
-             f"share of prompt tokens the timed call found in the prefix cache. Mismatched = "
-             f"requests whose greedy token ids differ between the systems. From one more "
-             f"untimed call per system with top-{TOP_K} logprobs: max |Δ logprob| of the sampled "
-             f"token while both saw the same context, and, where tokens differ, the tie gap "
-             f"at the first divergence: how much each system preferred its own token (near 0: "
-             f"a rounding tie; inf: the other's token not in its top {TOP_K}).", "",
-             "| workload | prompt (shared + private) | batch | stock tok/s med / best | "
-             "custom tok/s med / best | custom / stock | stock step ms | custom step ms | "
-             "cached % stock / custom | mismatched | max \\|Δ logprob\\| | tie gap |",
-             "|" + "---|" * 12]
-    by = {(r["workload"], r["system"]): r for r in rows}
-    for name in dict.fromkeys(r["workload"] for r in rows):
-        st, cu = by[(name, "stock")], by[(name, "custom")]
-        lines.append(
-            f"| {name} | {st['prompt_len']} ({st['shared_len']} + {st['private_len']}) | "
-            f"{st['batch']} | {st['median_tok_s']:.1f} / {st['best_tok_s']:.1f} | "
-            f"{cu['median_tok_s']:.1f} / {cu['best_tok_s']:.1f} | "
-            f"{st['ratio_custom_stock']:.2f}× | {st['median_step_ms']:.1f} | "
-            f"{cu['median_step_ms']:.1f} | {st['cached_prompt_pct']:.1f} / "
-            f"{cu['cached_prompt_pct']:.1f} | {st['mismatched_requests']} / {st['batch']} | "
-            f"{st['max_logprob_diff']:.2g} | {st['max_tie_gap']:.3g} |")
-    for s, share in shared_cost_removed(rows):
-        lines += ["", f"Share of the shared-prefix attention cost removed at S = {s}: "
-                  f"(TPOT_stock({s}) - TPOT_custom({s})) / (TPOT_stock({s}) - TPOT_stock(0)) = "
-                  f"**{share:.2f}** (median step times)."]
-    png = Path(f"{stem}.png")
-    _plot(rows, png)
-    lines += ["", f"![tok/s per workload]({png.name})"]
-    Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
-    return [Path(f"{stem}.csv"), Path(f"{stem}.md"), png]
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(names), 3.4))
-    for i, s in enumerate(SYSTEMS):
-        vals = [next(r["median_tok_s"] for r in rows if r["workload"] == n and r["system"] == s)
-                for n in names]
-        ax.bar([j + (i - 0.5) * 0.38 for j in range(len(names))], vals, 0.38, label=s)
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("decode output tok/s (median)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---- command
@@ -340,6 +258,7 @@ def main(argv=None) -> int:
         kwargs["load_format"] = "dummy"
     if a.speculative_config:
         kwargs["speculative_config"] = json.loads(a.speculative_config)
+        kwargs["disable_log_stats"] = False       # the spec-decode counters (both engines)
     import torch
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = a.gpu_memory_utilization

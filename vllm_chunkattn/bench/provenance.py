@@ -23,10 +23,19 @@ def load_average() -> str:
     return "%.2f / %.2f / %.2f" % os.getloadavg() if hasattr(os, "getloadavg") else "n/a"
 
 
+def widest_simd() -> str:
+    """The widest x86 vector extension the CPU kernels can use here, as /proc/cpuinfo says."""
+    flags = set(_cpuinfo_field("flags").split())
+    for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "no AVX2"
+
+
 def machine() -> str:
-    """e.g. 'AMD EPYC 9R14, no AMX, 2 cores, Linux x86_64'."""
-    return (f"{cpu_model()}, {'AMX' if has_amx() else 'no AMX'}, {os.cpu_count()} cores, "
-            f"{platform.system()} {platform.machine()}")
+    """e.g. 'AMD EPYC 9R14, AVX-512 BF16, no AMX, 2 cores, Linux x86_64'."""
+    return (f"{cpu_model()}, {widest_simd()}, {'AMX' if has_amx() else 'no AMX'}, "
+            f"{os.cpu_count()} cores, {platform.system()} {platform.machine()}")
 
 
 def git_commit() -> str:

@@ -10,6 +10,7 @@ import torch
 from .. import envs
 from .build import SortedRows, _build, _host, first_blocks_shared, first_full_blocks
 from .capacity import pad_plan
+from .query_rows import first_query_lens, query_row_plan, query_rows
 from .staging import PlanStaging
 from .tpp_plan import TppPlan
 
@@ -75,37 +76,68 @@ class PlanCache:
         self._key: PlanKey | None = None
         self._host_plan: TppPlan | None = None
         self._plan: TppPlan | None = None
-        self._staging = None
+        self._staging = self._query_staging = None
         if self.device.type == "cuda" or capacity is not None:
             self._staging = (PlanStaging(self.device) if capacity is None
                              else PlanStaging(self.device, capacity=capacity.num_ints))
         self.num_builds = 0
         self.num_reuses = 0
-        self.shared_kv_tokens = 0     # of the current plan
+        self.shared_kv_tokens = 0     # of the plan get returned last
+        self._rows_shared_kv_tokens = 0
 
-    def get(self, block_table, seq_lens, num_blocks: int | None = None) -> TppPlan:
+    def get(self, block_table, seq_lens, num_blocks: int | None = None,
+            query_start_loc=None) -> TppPlan:
         """block_table, seq_lens: host arrays/tensors of the decode rows (see build_plan);
-        num_blocks: of the KV cache, for the host check (None: unknown)."""
+        num_blocks: of the KV cache, for the host check (None: unknown); query_start_loc:
+        [num_rows + 1] where rows have several query tokens (verify rows): then the plan is that
+        of the query rows (query_rows.py), from the rows' plan on their first query tokens,
+        which stays while the number of draft tokens changes."""
         bt, sl = _host(block_table), _host(seq_lens)
-        full = sl.astype(np.int64) // self.block_size
+        if query_start_loc is not None:
+            return self._query_row_plan(bt, sl, _host(query_start_loc), num_blocks)
+        host_plan = self._rows_plan(bt, sl.astype(np.int64) // self.block_size)
+        if self._plan is None:
+            cap = self.capacity
+            self._plan = self._upload(self._staging,
+                                      host_plan if cap is None else pad_plan(host_plan, cap))
+        self.shared_kv_tokens = self._rows_shared_kv_tokens
+        self._check(host_plan, bt, sl, num_blocks)   # (on reuse: the private tails have new blocks)
+        return self._plan
+
+    def _rows_plan(self, bt: np.ndarray, full: np.ndarray) -> TppPlan:
+        """The host plan of these rows: the cached one while its key holds, else a new one
+        (its device copy made when a step asks for it)."""
         if self.enabled and self._key is not None and self._key.holds(bt, full):
             self.num_reuses += 1
-            self._check(bt, sl, num_blocks)   # the private tails have new blocks
-            return self._plan
+            return self._host_plan
         cap = self.capacity
         plan, rows = _build(bt, full) if cap is None else _build(
             bt, full, max_partials=cap.num_partials, max_node_blocks=cap.num_node_blocks)
-        self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
-        self._host_plan = plan
-        self._check(bt, sl, num_blocks)
-        if cap is not None:
-            plan = pad_plan(plan, cap)
-        self._plan = plan.to(self.device) if self._staging is None else self._staging.upload(plan)
+        self._rows_shared_kv_tokens = plan.shared_kv_tokens(self.block_size)   # host-side, once
+        self._host_plan, self._plan = plan, None
         self._key = PlanKey.of(full, rows, bt)
         self.num_builds += 1
-        return self._plan
+        return plan
 
-    def _check(self, bt: np.ndarray, sl: np.ndarray, num_blocks: int | None) -> None:
+    def _query_row_plan(self, bt: np.ndarray, sl: np.ndarray, query_start_loc: np.ndarray,
+                        num_blocks: int | None) -> TppPlan:
+        if self.capacity is not None:
+            raise ValueError("PlanCache: plans of fixed capacity are for one-token decode rows")
+        full = first_query_lens(query_start_loc, sl) // self.block_size
+        plan = query_row_plan(self._rows_plan(bt, full), bt, full, query_start_loc)
+        self.shared_kv_tokens = plan.shared_kv_tokens(self.block_size)
+        if self.check_on_host:
+            row_of_token, token_lens = query_rows(query_start_loc, sl)
+            self._check(plan, bt[row_of_token], token_lens, num_blocks)
+        if self._staging is not None and self._query_staging is None:
+            self._query_staging = PlanStaging(self.device)  # not the rows' plan's buffer
+        return self._upload(self._query_staging, plan)
+
+    def _upload(self, staging: PlanStaging | None, plan: TppPlan) -> TppPlan:
+        return plan.to(self.device) if staging is None else staging.upload(plan)
+
+    def _check(self, host_plan: TppPlan, bt: np.ndarray, sl: np.ndarray,
+               num_blocks: int | None) -> None:
         if self.check_on_host:
             from ..ops.native import check_plan        # (loads the native library)
-            check_plan(self._host_plan, bt, sl, self.block_size, num_blocks)
+            check_plan(host_plan, bt, sl, self.block_size, num_blocks)

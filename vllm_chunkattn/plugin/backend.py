@@ -227,14 +227,17 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         plan = decode = None
         if num_decodes:
             host_table, decode_seq_lens = self._host_rows(cm, num_decodes)
-            plans, workspace = self.plans, None
+            plans, workspace, query_start_loc = self.plans, None, None
             if num_decode_tokens != num_decodes:
-                block_table, seq_lens, host_table, decode_seq_lens = self._query_rows(
-                    cm, num_decodes, block_table, host_table, decode_seq_lens)
+                query_start_loc = cm.query_start_loc_cpu[:num_decodes + 1].numpy()
             elif num_prefills == 0 and num_decodes in self.graph_plans:
                 plans, workspace = self.graph_plans[num_decodes]   # a graph may replay this step
             plan = plans.get(host_table, decode_seq_lens,
-                             self._num_kv_blocks() if plans.check_on_host else None)
+                             self._num_kv_blocks() if plans.check_on_host else None,
+                             query_start_loc)
+            if query_start_loc is not None:
+                block_table, seq_lens, host_table, decode_seq_lens = self._query_rows(
+                    query_start_loc, block_table, host_table, decode_seq_lens)
             decode = TppLaunch(plan, block_table, seq_lens, self.num_heads, self.head_size,
                                self.device, workspace)
             if record_stats and self._records_sharing:
@@ -248,14 +251,13 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                                  decode, prefill, slot_mapping=cm.slot_mapping,
                                  num_decode_tokens=num_decode_tokens)
 
-    def _query_rows(self, cm: CommonAttentionMetadata, num_decodes: int,
-                    block_table: torch.Tensor, host_table: np.ndarray, host_seq_lens: np.ndarray
+    def _query_rows(self, query_start_loc: np.ndarray, block_table: torch.Tensor,
+                    host_table: np.ndarray, host_seq_lens: np.ndarray
                     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
         """Decode rows with several query tokens (verify rows) as one TPP row per query token
         (plan/query_rows.py): the block tables and seq_lens of those rows, on the device and
         on the host. Padding rows past vLLM's requests have no query token, hence no TPP row."""
-        row_of_token, token_seq_lens = query_rows(
-            cm.query_start_loc_cpu[:num_decodes + 1].numpy(), host_seq_lens[:num_decodes])
+        row_of_token, token_seq_lens = query_rows(query_start_loc, host_seq_lens)
         token_seq_lens = token_seq_lens.astype(np.int32)
         rows = torch.from_numpy(row_of_token)
         device = block_table.device
