@@ -4,8 +4,10 @@ proposed, some accepted and some rejected) and share a system prompt; greedy, al
 preemption in a pool too small for the batch: the same tokens, logprobs within 1e-3, the same
 drafted and accepted counts (vLLM's spec-decode metrics), and the verify rows served by the TPP
 kernel (its decode rows are one per query token). Seeded n > 1 sampling: stock vLLM 0.32 on CPU
-does not repeat its own seeded samples with n-gram drafts (two identical runs differ), so
-CUSTOM's samples are checked by their logprobs, which stock vLLM without speculation scores."""
+does not repeat its own seeded samples with n-gram drafts (two identical runs differ: its CPU
+stand-in for the sampler's expand kernel leaves the per-token temperatures uninitialized,
+docs/limitations.md), so CUSTOM's samples are checked by their logprobs, which stock vLLM
+without speculation scores."""
 import json
 import random
 

@@ -62,11 +62,13 @@ class PromptTree:
 
 
 def make_requests(num_requests: int, rate: float, seed: int, vocab_size: int, block_size: int,
-                  max_model_len: int) -> list[SoakRequest]:
-    """`num_requests` requests with Poisson arrivals at `rate` per second."""
+                  max_model_len: int, sampled: bool = True) -> list[SoakRequest]:
+    """`num_requests` requests with Poisson arrivals at `rate` per second; sampled=False: no
+    random-sampling requests (their share goes to greedy ones)."""
     rng = random.Random(seed)
     tree = PromptTree(rng, vocab_size, block_size)
-    kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=num_requests)
+    mix = MIX if sampled else {k: v for k, v in MIX.items() if k != "sampled-n"}
+    kinds = rng.choices(list(mix), weights=list(mix.values()), k=num_requests)
     t, bad, out = 0.0, 0, []
     for i, kind in enumerate(kinds):
         t += rng.expovariate(rate)
