@@ -1,9 +1,10 @@
-"""python -m vllm_chunkattn.bench {kernel,ab,offline,sched,capacity,plan,ablation,soak,step,tpot,host,router} ...: each subcommand is a module with main(argv)."""
+"""python -m vllm_chunkattn.bench {kernel,verify,ab,offline,sched,capacity,plan,ablation,soak,step,tpot,host,router} ...: each subcommand is a module with main(argv)."""
 import importlib
 import sys
 
 COMMANDS = {
     "kernel": "vllm_chunkattn.bench.kernel",   # TPP kernel vs vLLM CPU_ATTN / torch baselines
+    "verify": "vllm_chunkattn.bench.kernel_verify",  # the kernel on verify rows (k drafts) vs CPU_ATTN
     "plan": "vllm_chunkattn.bench.plan",       # plan build / rebuild cost
     "sched": "vllm_chunkattn.bench.sched",     # scheduler step time, peak KV blocks (tree vs stock)
     "capacity": "vllm_chunkattn.bench.window_capacity",  # requests held, sliding-window models
