@@ -95,7 +95,7 @@ def test_tree_counters_count_each_decode_steps_sharing(tmp_path, monkeypatch, li
     monkeypatch.setenv("CHUNKATTN_STATS_INTERVAL_S", "0")
     monkeypatch.setenv("CHUNKATTN_DEBUG_TREE", "1")
     m = stats.TreeMetrics(shared_prefix_tree())
-    m.on_step({"a": 1, "b": 1, "c": 7}, requests=None)     # "c" prefills: not a decode row
+    m.on_step({"a": 1, "b": 1, "c": 7})     # "c" prefills: not a decode row
     got = json.loads(path.read_text())
     assert got == m.as_dict()
     assert (got["steps"], got["decode_steps"], got["decode_rows"]) == (1, 1, 2)
@@ -112,7 +112,7 @@ def test_tree_counts_decode_sharing_only_when_asked(monkeypatch, lines):
     monkeypatch.delenv("CHUNKATTN_TREE_STATS_FILE", raising=False)
     monkeypatch.delenv("CHUNKATTN_DEBUG_TREE", raising=False)
     m = stats.TreeMetrics(shared_prefix_tree())
-    m.on_step({"a": 1, "b": 1}, requests=None)
+    m.on_step({"a": 1, "b": 1})
     assert not m.exact and m.decode_steps == 0 and m.invariant_checks == 0 and m.steps == 1
 
 
@@ -174,9 +174,8 @@ def test_each_data_parallel_rank_has_its_own_stats_file(path, engine, expected):
 def test_tree_counters_of_a_data_parallel_rank_go_to_its_file(tmp_path, monkeypatch, lines):
     monkeypatch.setenv("CHUNKATTN_TREE_STATS_FILE", str(tmp_path / "tree.json"))
     monkeypatch.setenv("CHUNKATTN_STATS_INTERVAL_S", "0")
-    stats.TreeMetrics(shared_prefix_tree(), vllm_config(engine=0)).on_step({"a": 1}, None)
-    stats.TreeMetrics(shared_prefix_tree(), vllm_config(engine=1)).on_step({"a": 1, "b": 1},
-                                                                          None)
+    stats.TreeMetrics(shared_prefix_tree(), vllm_config(engine=0)).on_step({"a": 1})
+    stats.TreeMetrics(shared_prefix_tree(), vllm_config(engine=1)).on_step({"a": 1, "b": 1})
     rank0 = json.loads((tmp_path / "tree.json").read_text())
     rank1 = json.loads((tmp_path / "tree.dp1.json").read_text())
     assert (rank0["decode_rows"], rank1["decode_rows"]) == (1, 2)

@@ -68,10 +68,11 @@ def test_ngram_speculation_matches_stock(token_budget, tmp_path):
     greedy, _ = prompts()
     groups = [{"prompts": greedy,
                "sampling": dict(temperature=0.0, max_tokens=40, logprobs=0, ignore_eos=True)}]
-    stats_file = tmp_path / "stats.json"
+    stats_file, tree_file = tmp_path / "stats.json", tmp_path / "tree.json"
     engine = {"max_num_batched_tokens": token_budget} if token_budget else {}
     stock, custom = run_both(tmp_path, groups, engine, engine, env={
-        "CHUNKATTN_STATS_FILE": str(stats_file), "CHUNKATTN_STATS_INTERVAL_S": "0"})
+        "CHUNKATTN_STATS_FILE": str(stats_file), "CHUNKATTN_STATS_INTERVAL_S": "0",
+        "CHUNKATTN_TREE_STATS_FILE": str(tree_file)})
     assert_same_outputs(stock, custom, atol=1e-3)
     drafted, accepted = assert_same_speculation(stock, custom)
     stats = json.loads(stats_file.read_text())
@@ -88,6 +89,13 @@ def test_ngram_speculation_matches_stock(token_budget, tmp_path):
     rows = stats["decode_rows"]
     assert drafted + min_steps <= rows <= drafted + min_steps + NUM_SPEC * len(completions), (
         rows, drafted, min_steps)
+    # The scheduler's count from the tree (its chunks, not the worker's block tables) predicts
+    # the worker's plans: the system prompt's chunks read once for all query tokens of all
+    # sharers, each row's own full chunks once for its query tokens.
+    tree = json.loads(tree_file.read_text())
+    assert (tree["decode_rows"], tree["decode_kv_tokens"], tree["decode_shared_kv_tokens"]) == (
+        rows, stats["kv_tokens"], stats["shared_kv_tokens"]), (tree, stats)
+    assert stats["shared_kv_tokens"] > 0
 
 
 def test_seeded_samples_with_ngram_drafts_have_the_models_logprobs(tmp_path):

@@ -249,7 +249,7 @@ SHARING_STATS = SharingStats()
 
 class TreeMetrics(PeriodicStats):
     """The chunk prefix tree's counters, gathered in EngineCore by ChunkAttnScheduler. A decode
-    step is the requests scheduled with one token (the worker's TPP decode batch)."""
+    step is the requests the worker's TPP decode batch holds (decode_threshold)."""
 
     PUBLISHED = ("live_shared_kv_tokens", "in_use_blocks", "cached_blocks", "free_blocks",
                  "evictions", "preemptions")
@@ -261,6 +261,10 @@ class TreeMetrics(PeriodicStats):
         self.debug = envs.DEBUG_TREE
         # The exact per-step sharing costs O(chunks of the decode batch): only when asked for.
         self.exact = bool(self.path) or self.debug
+        # The worker's decode rows: requests of at most 1 + num_speculative_tokens query tokens
+        # (verify rows, and prefill chunks as short), as its builder's reorder_batch_threshold.
+        spec = getattr(vllm_config, "speculative_config", None)
+        self.decode_threshold = 1 + ((spec.num_speculative_tokens or 0) if spec else 0)
         self.steps = self.decode_steps = self.decode_rows = 0
         self.decode_kv_tokens = self.decode_shared_kv_tokens = 0
         self.max_decode_shared_kv_tokens = 0
@@ -268,25 +272,41 @@ class TreeMetrics(PeriodicStats):
         self._writer = MetricsWriter.for_process(vllm_config, self.PUBLISHED)
         self._last_published: dict | None = None
 
-    def on_step(self, num_scheduled_tokens: dict[str, int], requests) -> None:
+    def on_step(self, num_scheduled_tokens: dict[str, int], requests=None) -> None:
+        """requests: the scheduler's, by id (their num_computed_tokens already count this step's
+        tokens, as the worker's seq_lens do); None: the tree's token counts instead."""
         self.steps += 1
         if self.debug:
             self.tree.check_invariants()
             self.invariant_checks += 1
         if self.exact:
-            decode_ids = [rid for rid, n in num_scheduled_tokens.items() if n == 1]
-            if decode_ids:
-                self._record_decode(decode_ids)
+            decodes = {rid: n for rid, n in num_scheduled_tokens.items()
+                       if n <= self.decode_threshold}
+            if decodes:
+                self._record_decode(decodes, requests)
         self.publish()
         self.maybe_flush()
 
-    def _record_decode(self, decode_ids: list[str]) -> None:
-        tree = self.tree
-        nodes, _ = tree.sharing_groups(decode_ids)
-        shared = sum((len(rows) - 1) * len(blocks) for blocks, rows in nodes) * tree.block_size
+    def _record_decode(self, decodes: dict[str, int], requests) -> None:
+        """As the worker counts its TPP rows (plan/query_rows.py): one per query token; a node's
+        blocks are read once for all its sharers' query tokens, and a row's own full blocks past
+        its shared prefix (at its first query token) once for its query tokens."""
+        tree, bs = self.tree, self.tree.block_size
+        ids = list(decodes)
+        nodes, num_shared = tree.sharing_groups(ids)
+        tokens = [decodes[rid] for rid in ids]
+        seq_lens = [tree.num_tokens(rid) if requests is None else
+                    requests[rid].num_computed_tokens for rid in ids]
+        first_lens = [n - q + 1 for n, q in zip(seq_lens, tokens)]
+        shared_blocks = sum((sum(tokens[r] for r in rows) - 1) * len(blocks)
+                            for blocks, rows in nodes)
+        shared_blocks += sum((q - 1) * max(0, first // bs - depth)
+                             for q, first, depth in zip(tokens, first_lens, num_shared))
+        shared = shared_blocks * bs
         self.decode_steps += 1
-        self.decode_rows += len(decode_ids)
-        self.decode_kv_tokens += sum(tree.num_tokens(rid) for rid in decode_ids)
+        self.decode_rows += sum(tokens)
+        self.decode_kv_tokens += sum(q * first + q * (q - 1) // 2
+                                     for q, first in zip(tokens, first_lens))
         self.decode_shared_kv_tokens += shared
         self.max_decode_shared_kv_tokens = max(self.max_decode_shared_kv_tokens, shared)
 
