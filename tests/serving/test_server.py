@@ -188,8 +188,8 @@ DRAFT_MODEL = {"method": "draft_model", "model": str(tiny_model()), "num_specula
      "cannot serve this model exactly: an fp8 KV cache with head size 80 (vLLM's CPU backend "
      "writes fp8 for head sizes divisible by 32)"),
     (None, {"speculative_config": DRAFT_MODEL},
-     "cannot serve this model exactly: speculative decoding with method 'draft_model' (only "
-     "n-gram drafts, method 'ngram', are served"),
+     "cannot serve this model exactly: speculative decoding with method 'draft_model' "
+     "(served: 'ngram', 'eagle')"),
 ])
 def test_what_the_config_shows_is_refused_where_the_config_is_built(model, engine_args, reason,
                                                                     tmp_path):

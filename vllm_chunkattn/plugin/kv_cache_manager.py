@@ -121,6 +121,10 @@ class ChunkTreeKVCacheManager:
             max_tokens = min(max_tokens, max_cache_hit_length)
         matched = self.tree.match_prefix(request.all_token_ids, request_namespace(request),
                                          max_tokens)
+        if self.use_eagle:
+            # As vLLM: a drafter with KV of its own (EAGLE, MTP) needs the hidden states of the
+            # tokens before the generation point, so the last matched block is recomputed.
+            matched = matched[:-1]
         if self.window is not None:
             matched = matched[:self.window.hit_length(matched)]
         if not matched:

@@ -74,9 +74,12 @@ MATRIX = (
     ("speculative decoding with n-gram drafts (`--speculative-config '{\"method\": "
      "\"ngram\", ...}'`)", True, "verify rows through TPP, one row per query token; draft "
      "slots pending in the tree until accepted"),
-    ("speculative decoding with a drafter (EAGLE, MTP, draft models, ...), GPU n-gram, "
-     "suffix decoding", False, "the drafter's attention layers and lookahead slots, and async "
-     "scheduling with drafts, are not served"),
+    ("speculative decoding with an EAGLE draft head (`\"method\": \"eagle\"`)", True,
+     "the drafter's layer runs vLLM's own backend on the tree's blocks, lookahead slots pending "
+     "in the tree; a prefix hit's last block recomputed for the drafter, as vLLM does"),
+    ("speculative decoding with EAGLE-3, MTP, draft models, Medusa, GPU n-gram, suffix "
+     "decoding", False, "not checked against stock yet (EAGLE-3's auxiliary hidden states, MTP "
+     "heads, draft models' own KV groups); async scheduling with drafts is not served"),
     ("KV cache events (`--kv-events-config`: KV-aware routers)", True,
      "vLLM's own events and hashes; a duplicate chunk is never announced"),
     ("KV connectors", False, "the tree replaces vLLM's block pool"),
@@ -158,23 +161,22 @@ def config_refusals(vllm_config, is_cpu: bool = True) -> list[str]:
     return reasons + speculative_refusals(vllm_config)
 
 
-# The speculative methods served: drafts proposed on the host from the request's own tokens,
-# verified in one step, with no drafter attention layers or lookahead slots.
-SPECULATIVE_METHODS = ("ngram",)
+# The speculative methods served: n-gram drafts proposed on the host from the request's own
+# tokens, and an EAGLE head whose attention layer shares the target's KV cache group (its
+# lookahead slots are pending in the tree).
+SPECULATIVE_METHODS = ("ngram", "eagle")
 
 
 def speculative_refusals(vllm_config) -> list[str]:
-    """Speculative decoding is served for n-gram drafts, synchronously scheduled (vLLM turns
-    async scheduling off for them). A drafter model (EAGLE, MTP, draft models, ...) runs its
-    own attention layers on lookahead slots, and GPU n-gram runs with async scheduling: neither
-    is served."""
+    """Speculative decoding is served for n-gram drafts and EAGLE heads, synchronously
+    scheduled. Other drafters (EAGLE-3, MTP, draft models, ...) are not checked against stock
+    yet, and GPU n-gram runs with async scheduling: neither is served."""
     spec = vllm_config.speculative_config
     if spec is None:
         return []
     if spec.method not in SPECULATIVE_METHODS:
-        return [f"speculative decoding with method {spec.method!r} (only n-gram drafts, "
-                "method 'ngram', are served: not a drafter's attention layers, lookahead "
-                "slots or async scheduling with drafts)"]
+        return [f"speculative decoding with method {spec.method!r} (served: "
+                + ", ".join(repr(m) for m in SPECULATIVE_METHODS) + ")"]
     if vllm_config.scheduler_config.async_scheduling:
         return ["speculative decoding with async scheduling (pass --no-async-scheduling)"]
     return []
