@@ -17,6 +17,16 @@ MODEL_DIR = REPO / "models" / "tiny-llama"
 # vLLM on CPU as it runs on a GPU: the V2 model runner and async scheduling kept on (Triton's
 # interpreter runs V2's kernels: tests/gpu_defaults_on_cpu/sitecustomize.py). Merged into a child's
 # environment; test_v2_model_runner.py says what it covers.
+def cpu_writes_fp8() -> bool:
+    """vLLM's CPU backend writes fp8 KV caches only on CPUs with AVX-512 or AMX."""
+    import torch
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+# fp8 KV cache tests on a CPU where stock vLLM itself cannot run them (CUSTOM refuses there).
+NEEDS_CPU_FP8 = pytest.mark.skipif(
+    not cpu_writes_fp8(), reason="vLLM's CPU backend writes fp8 KV caches only with AVX-512 or AMX")
+
 GPU_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [
                     str(REPO / "tests" / "gpu_defaults_on_cpu"), os.environ.get("PYTHONPATH")]))}

@@ -5,6 +5,7 @@ import pytest
 from vllm_chunkattn.bench.contenders import Variant
 from vllm_chunkattn.bench.kernel import main as kernel_main
 from vllm_chunkattn.ops.native import native_ops
+from vllm_runs import NEEDS_CPU_FP8
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(native_ops("cpu") is None, reason="vllm_chunkattn._C not built")]
@@ -28,6 +29,7 @@ def test_bench_kernel_times_a_windowed_layer_with_sinks(tmp_path, capsys):
     assert len(rows) == 8 and all("ours_vs_cpu_attn=" in r for r in rows)
 
 
+@NEEDS_CPU_FP8
 def test_bench_kernel_times_an_fp8_kv_cache(tmp_path, capsys):
     pytest.importorskip("vllm")
     assert Variant(kv_cache_dtype="fp8_e5m2").label() == "full causal attention, fp8_e5m2 KV cache"

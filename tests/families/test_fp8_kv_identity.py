@@ -9,9 +9,10 @@ import pytest
 
 from families.models import vllm_job
 from families.test_family_identity import job, prompts
-from vllm_runs import assert_native_kernel, assert_not_custom, assert_same_outputs, run_llm
+from vllm_runs import (NEEDS_CPU_FP8, assert_native_kernel, assert_not_custom, assert_same_outputs,
+                       run_llm)
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, NEEDS_CPU_FP8]
 
 
 def _fp8_job(name, backend, cache_dtype, dtype="float32"):

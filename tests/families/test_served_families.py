@@ -11,7 +11,7 @@ import pytest
 from families.models import ensure_family_model
 from families.test_family_identity import prompts
 from vllm_chunkattn.bench.server_process import ServerProcess
-from vllm_runs import assert_native_kernel
+from vllm_runs import NEEDS_CPU_FP8, assert_native_kernel
 
 pytestmark = pytest.mark.vllm
 FLAGS = ["--served-model-name", "m", "--dtype", "float32", "--block-size", "32",
@@ -38,7 +38,7 @@ def _serve(flags, requests):
     return answers, log
 
 
-@pytest.mark.parametrize("cache_dtype", ("auto", "fp8"))
+@pytest.mark.parametrize("cache_dtype", ("auto", pytest.param("fp8", marks=NEEDS_CPU_FP8)))
 def test_served_gpt_oss_matches_stock(cache_dtype):
     greedy, _ = prompts()
     flags = ["--kv-cache-dtype", cache_dtype]
