@@ -69,6 +69,16 @@ def causal_oracle(query, starts, contiguous, sliding_window: int = 0) -> torch.T
     return torch.cat(outs)
 
 
+def run_native(plan, query, key_cache, value_cache, block_table, lens, sliding_window=0):
+    slots = max(plan.num_partials, 1)
+    ws = (torch.full((slots, HEADS, HEAD_SIZE), float("nan")),
+          torch.full((slots, HEADS), float("nan")), torch.full((slots, HEADS), float("nan")))
+    out = torch.full(query.shape, float("nan"))
+    OPS.tpp_decode(query, key_cache, value_cache, block_table, lens, *plan.tensors(), *ws, SCALE,
+                   out, None, sliding_window, 0.0, None, 1.0, 1.0)
+    return out
+
+
 def test_query_rows_are_each_tokens_causal_length():
     row_of_token, lens = query_rows(np.array([0, 4, 8, 9, 12]), np.array([45, 34, 40, 3]))
     assert row_of_token.tolist() == [0] * 4 + [1] * 4 + [2] + [3] * 3
@@ -91,23 +101,8 @@ def test_verify_rows_through_tpp_match_causal_attention(seed, sliding_window):
     torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
     if OPS is None:
         pytest.skip("vllm_chunkattn._C not built (python setup.py build_ext --inplace)")
-    slots = max(plan.num_partials, 1)
-    ws = (torch.full((slots, HEADS, HEAD_SIZE), float("nan")),
-          torch.full((slots, HEADS), float("nan")), torch.full((slots, HEADS), float("nan")))
-    out = torch.full(query.shape, float("nan"))
-    OPS.tpp_decode(query, key_cache, value_cache, block_table, lens, *plan.tensors(), *ws, SCALE,
-                   out, None, sliding_window, 0.0, None, 1.0, 1.0)
+    out = run_native(plan, query, key_cache, value_cache, block_table, lens, sliding_window)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-
-
-def run_native(plan, query, key_cache, value_cache, block_table, lens, sliding_window=0):
-    slots = max(plan.num_partials, 1)
-    ws = (torch.full((slots, HEADS, HEAD_SIZE), float("nan")),
-          torch.full((slots, HEADS), float("nan")), torch.full((slots, HEADS), float("nan")))
-    out = torch.full(query.shape, float("nan"))
-    OPS.tpp_decode(query, key_cache, value_cache, block_table, lens, *plan.tensors(), *ws, SCALE,
-                   out, None, sliding_window, 0.0, None, 1.0, 1.0)
-    return out
 
 
 @pytest.mark.parametrize("sliding_window", [0, 20])

@@ -106,14 +106,19 @@ def sdpa_per_sequence(bt: Batch):
     return run
 
 
-def cpu_attn(bt: Batch, isa: str, variant: Variant = FULL_ATTENTION):
-    """vLLM's CPU_ATTN decode, called as vllm/v1/attention/backends/cpu_attn.py calls it."""
+def cpu_attn(bt: Batch, isa: str, variant: Variant = FULL_ATTENTION,
+             query_start_loc: torch.Tensor | None = None):
+    """vLLM's CPU_ATTN decode, called as vllm/v1/attention/backends/cpu_attn.py calls it.
+    query_start_loc: [num_seqs + 1] int32 where rows have several query tokens (bt.query holds
+    them all, causal within each row); None: one query token a row."""
     from vllm import _custom_ops as ops
-    num_seqs, num_heads, head_size = bt.query.shape
+    num_heads, head_size = bt.query.shape[1:]
+    num_seqs = bt.seq_lens.shape[0]
     num_blocks, num_kv_heads, block_size, _ = bt.kv_cache.shape
     key_cache, value_cache = bt.kv_cache.view(num_blocks, num_kv_heads, block_size * 2,
                                               head_size).chunk(2, dim=2)
-    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+    if query_start_loc is None:
+        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
     sched = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
         seq_lens=bt.seq_lens, dtype=bt.query.dtype, query_start_loc=query_start_loc, causal=True,

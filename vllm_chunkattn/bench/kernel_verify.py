@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..decode import TppLaunch
-from ..plan import PlanCache, TppWorkspace, query_rows
-from .contenders import _vllm_split_kv, host_ms, machine, vllm_cpu_isa
+from ..plan import PlanCache, query_rows
+from .contenders import cpu_attn, host_ms, machine, ours, vllm_cpu_isa
 from .kernel import markdown_table
 from .kv_pool import Batch, KvPool
 from .timing import Timer
@@ -40,48 +40,18 @@ def verify_batch(pool: KvPool, n_p: int, n_s: int, b: int, k: int, num_heads: in
     return bt, torch.arange(b + 1, dtype=torch.int32) * q
 
 
-def ours(bt: Batch, qsl: torch.Tensor):
-    """(the layer's call, the step's host work): the query rows' plan from PlanCache, as the
-    backend builds it, and the kernel on one row per query token."""
+def query_row_batch(bt: Batch, qsl: torch.Tensor) -> Batch:
+    """The batch as TPP runs it: one row per query token (plan/query_rows.py)."""
+    row_of_token, token_lens = query_rows(qsl.numpy(), bt.seq_lens.numpy())
+    return replace(bt, block_table=bt.block_table.index_select(0, torch.from_numpy(row_of_token)),
+                   seq_lens=torch.from_numpy(token_lens.astype(np.int32)))
+
+
+def plan_step(bt: Batch, qsl: torch.Tensor):
+    """The step's host work for ours, as the backend does it: the query rows' plan from a
+    PlanCache that has not seen these rows."""
     table, lens = bt.block_table.numpy(), bt.seq_lens.numpy()
-    row_of_token, token_lens = query_rows(qsl.numpy(), lens)
-    token_table = bt.block_table.index_select(0, torch.from_numpy(row_of_token))
-    token_seq_lens = torch.from_numpy(token_lens.astype(np.int32))
-    heads, head_size = bt.query.shape[1:]
-
-    def plan_step():
-        plans = PlanCache(bt.key_cache.shape[1])
-        return plans.get(table, lens, query_start_loc=qsl.numpy())
-    launch = TppLaunch(plan_step(), token_table, token_seq_lens, heads, head_size, "cpu",
-                       TppWorkspace(), kernel="native")
-    out = torch.empty_like(bt.query)
-    return (lambda: launch.run(bt.query, bt.key_cache, bt.value_cache, bt.scale, out, None,
-                               0, 0.0, None)), plan_step
-
-
-def cpu_attn(bt: Batch, qsl: torch.Tensor, isa: str):
-    """vLLM's CPU_ATTN over the verify rows, as its backend calls it for decode rows with
-    query_start_loc (causal within each row's query tokens)."""
-    from vllm import _custom_ops as ops
-    num_tokens, num_heads, head_size = bt.query.shape
-    num_blocks, num_kv_heads, block_size, _ = bt.kv_cache.shape
-    key_cache, value_cache = bt.kv_cache.view(num_blocks, num_kv_heads, block_size * 2,
-                                              head_size).chunk(2, dim=2)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=qsl.shape[0] - 1, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_size, seq_lens=bt.seq_lens, dtype=bt.query.dtype, query_start_loc=qsl,
-        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=_vllm_split_kv())
-    out = torch.empty_like(bt.query)
-
-    def run():
-        ops.cpu_attention_with_kv_cache(
-            query=bt.query, key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=qsl, seq_lens=bt.seq_lens, scale=bt.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=bt.block_table, softcap=0.0,
-            scheduler_metadata=sched, s_aux=None, k_scale=1.0, v_scale=1.0,
-            kv_cache_dtype="auto")
-        return out
-    return run
+    return lambda: PlanCache(bt.key_cache.shape[1]).get(table, lens, query_start_loc=qsl.numpy())
 
 
 def run_grid(a) -> list[dict]:
@@ -96,8 +66,10 @@ def run_grid(a) -> list[dict]:
         for share, k in itertools.product(a.share, a.k):
             n_s = int(a.n_p * share) // block * block
             bt, qsl = verify_batch(pool, a.n_p, n_s, a.b, k, hq)
-            contenders = {"ours": ours(bt, qsl)[0], "cpu_attn": cpu_attn(bt, qsl, isa)}
-            plan_ms = host_ms(ours(bt, qsl)[1], a.reps)
+            step = plan_step(bt, qsl)
+            contenders = {"ours": ours(query_row_batch(bt, qsl), step()),
+                          "cpu_attn": cpu_attn(bt, isa, query_start_loc=qsl)}
+            plan_ms = host_ms(step, a.reps)
             if isa != "amx":       # AMX reads K packed in tiles: timed on the same bytes only
                 torch.testing.assert_close(contenders["ours"]().float(),
                                            contenders["cpu_attn"]().float(), atol=a.tol,

@@ -193,7 +193,7 @@ def main(argv=None) -> int:
                    help="vLLM's --speculative-config for both servers, e.g. '{\"method\": "
                         "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}'")
     a = p.parse_args(argv)
-    spec_flags = ["--speculative-config", a.speculative_config] if a.speculative_config else []
+    spec_flags = speculative_flags(a)
     from vllm_chunkattn.tiny_model import ensure_tiny_model
     model = str(ensure_tiny_model())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
@@ -233,15 +233,21 @@ def main(argv=None) -> int:
                              spec_flags)
     mismatches = [r.index for r in greedy
                   if r.result["choices"][0]["token_ids"] != reference.get(r.index)]
+    shown = set(mismatches[:20])
     state["first_differences"] = {r.index: first_difference(
         r.result["choices"][0]["token_ids"], reference.get(r.index) or []) for r in greedy
-        if r.index in set(mismatches[:20])}
+        if r.index in shown}
     result = summarise(a, requests, outcomes, state, kernels, greedy, mismatches, load_s,
                        time.monotonic() - t_start, command, load_before, sampler)
     write_report(result, sampler, Path(a.out), a.tag)
     for failure in result["failures"]:
         log(f"soak FAILED: {failure}")
     return 1 if result["failures"] else 0
+
+
+def speculative_flags(a) -> list[str]:
+    """The servers' flags for --speculative-config (both servers get them)."""
+    return ["--speculative-config", a.speculative_config] if a.speculative_config else []
 
 
 def first_difference(ours: list[int], theirs: list[int]) -> str:
@@ -284,8 +290,7 @@ def summarise(a, requests, outcomes, state, kernels, greedy, mismatches, load_s,
         "rate_per_s": a.rate, "kv_cache_bytes": a.kv_cache_bytes,
         "speculative_config": a.speculative_config,
         "kv_pool_tokens": a.kv_cache_bytes // 4096,
-        "server_flags": shlex.join(SERVER_FLAGS + (
-            ["--speculative-config", a.speculative_config] if a.speculative_config else [])),
+        "server_flags": shlex.join(SERVER_FLAGS + speculative_flags(a)),
         "load_s": round(load_s, 1), "wall_s": round(wall_s, 1), "kernels": sorted(kernels),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "failed": {str(i): o for i, o in list(failed.items())[:20]}, "num_failed": len(failed),
