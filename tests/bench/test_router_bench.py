@@ -35,3 +35,12 @@ def test_replica_metrics_sum_over_replicas(monkeypatch):
     m = router.replica_metrics([Replica("http://a"), Replica("http://b")], block_size=16)
     assert m == {"prefix_hit_rate": 0.5, "decode_sharing": 0.4, "kv_tokens_held": 16 * 16,
                  "requests_per_replica": "7/3"}
+
+
+def test_prefix_groups_name_each_prompts_group_in_arrival_order():
+    prompts = router.workload(groups=3, questions=4, prefix_words=30, question_words=5)
+    names = router.prefix_groups(prompts, prefix_words=30)
+    assert sorted(set(names)) == ["group0", "group1", "group2"]
+    assert names[0] == "group0" and names.count("group1") == 4
+    for name in set(names):                          # one name: one prefix
+        assert len({" ".join(p.split()[:30]) for p, n in zip(prompts, names) if n == name}) == 1

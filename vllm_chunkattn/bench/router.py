@@ -10,8 +10,14 @@ fresh (empty caches); after the run each replica's /metrics gives the prefix-cac
 by shared chunks, `chunkattn:decode_shared_kv_tokens_total / decode_kv_tokens_total`) and the KV
 tokens the replicas hold (chunks in use + cached): a policy that spreads a group over replicas
 prefills and stores its prefix on each. `kv_aware` routes on the replicas' KV events
-(`--kv-events-config`, vLLM's ZMQ publisher), which the tree publishes. The client's output
+(`--kv-events-config`, vLLM's ZMQ publisher), which the tree publishes; `kv_aware_session` adds
+its session affinity, each request naming its prefix group as its session. The client's output
 tok/s and TTFT are shown too (on a shared CPU they move with the machine's load).
+
+vllm-router's prefix-aware policies route on token ids: for a text prompt it asks every replica
+for them (`/v1/completions/render`, within 1 s), which vLLM serves only with `--enable-scale-out`;
+without it (`--no-scale-out`) every answer is a 403 and the router places each request on load
+alone. The router's own decision counters (its Prometheus endpoint) are reported per policy.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -32,10 +39,14 @@ from vllm_chunkattn.bench.server_client import SERVED_NAME, percentile, post, sc
 from vllm_chunkattn.bench.server_process import ServerProcess, free_port
 from vllm_chunkattn.tiny_model import _WORDS
 
-POLICIES = ("round_robin", "cache_aware", "kv_aware")
+POLICIES = ("round_robin", "cache_aware", "kv_aware", "kv_aware_session")
+# kv_aware_session: kv_aware with its session affinity, each request naming its prefix group as
+# its session (`x-session-id`): a group's first request is placed on the KV events, the rest follow.
+SESSION_TTL_S = 600
 REPLICA_ARGS = ("--attention-backend CUSTOM --dtype float32 --block-size {bs} "
                 "--max-model-len 2048 --kv-cache-memory-bytes {kv_bytes} --enforce-eager "
                 "--served-model-name " + SERVED_NAME)
+SCALE_OUT_ARGS = ["--enable-scale-out"]      # vLLM's render endpoints, for the router
 
 
 def workload(groups: int, questions: int, prefix_words: int, question_words: int,
@@ -48,12 +59,21 @@ def workload(groups: int, questions: int, prefix_words: int, question_words: int
     return prompts
 
 
+def prefix_groups(prompts: list[str], prefix_words: int) -> list[str]:
+    """Each prompt's prefix group, named in the order the groups first arrive."""
+    names: dict[str, str] = {}
+    return [names.setdefault(" ".join(p.split()[:prefix_words]), f"group{len(names)}")
+            for p in prompts]
+
+
 def start_replicas(n: int, model: str, args: argparse.Namespace, with_events: bool
                    ) -> tuple[list[ServerProcess], list[str]]:
     servers, event_urls = [], []
     cores = os.cpu_count() or 1
     for i in range(n):
         flags = REPLICA_ARGS.format(bs=args.block_size, kv_bytes=args.kv_cache_bytes).split()
+        if args.scale_out:
+            flags += SCALE_OUT_ARGS
         if with_events:
             port = free_port()
             flags += ["--kv-events-config", json.dumps({
@@ -78,10 +98,14 @@ class Router:
         exe = str(beside) if beside.exists() else shutil.which("vllm-router")
         if exe is None:
             raise SystemExit("vllm-router is not installed: pip install vllm-router")
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                "--worker-urls", *worker_urls]
-        if policy == "kv_aware":
+        if policy == "kv_aware_session":
+            cmd[cmd.index(policy)] = "kv_aware"
+            cmd += ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
+        if policy.startswith("kv_aware"):
             cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", SERVED_NAME]
             for url, endpoint in zip(worker_urls, event_urls):
                 cmd += ["--kv-event-source", f"{url}={endpoint}"]
@@ -100,6 +124,23 @@ class Router:
                 time.sleep(0.5)
         raise SystemExit(f"vllm-router not ready after 60 s: see {log_path}")
 
+    def decisions(self) -> str:
+        """What the router's prefix-aware policy decided, from its own counters: e.g.
+        `outcome=prefix_hit:40 outcome=missing_tokens:24` (missing tokens: routed on load)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return "n/a"
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            m = _DECISION.match(line)
+            if m:
+                key = f"{m['label']}={m['value']}"
+                counts[key] = counts.get(key, 0.0) + float(m["count"])
+        return " ".join(f"{k}:{v:g}" for k, v in sorted(counts.items())) or "none"
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -109,12 +150,21 @@ class Router:
         self.log.close()
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+# The router's per-request routing outcome and its token-input preparation, by label.
+_DECISION = re.compile(r'^vllm_router_(?:prefix_routing_decisions|kv_routing_inputs)_total'
+                       r'\{[^}]*?(?P<label>outcome|result)="(?P<value>[^"]+)"[^}]*\}'
+                       r'\s+(?P<count>\S+)$')
+
+
+def stream(url: str, prompt: str, max_tokens: int, session: str | None = None
+           ) -> tuple[float, float, int]:
     """One streamed completion: (TTFT s, latency s, output tokens)."""
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body,
-                                 {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if session is not None:
+        headers["x-session-id"] = session
+    req = urllib.request.Request(url + "/v1/completions", body, headers)
     start, first, tokens = time.perf_counter(), None, 0
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
@@ -126,15 +176,16 @@ def stream(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
 
 
 def drive(url: str, prompts: list[str], concurrency: int, max_tokens: int,
-          request_rate: float) -> dict:
+          request_rate: float, sessions: list[str] | None = None) -> dict:
     """Requests arrive at `request_rate` per second (Poisson, seeded), at most `concurrency`
     in flight: a prefix-aware router learns where a group went before most of it arrives."""
     rng = random.Random(1)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         futures = []
-        for prompt in prompts:
-            futures.append(pool.submit(stream, url, prompt, max_tokens))
+        for i, prompt in enumerate(prompts):
+            futures.append(pool.submit(stream, url, prompt, max_tokens,
+                                       sessions[i] if sessions else None))
             if request_rate > 0:
                 time.sleep(rng.expovariate(request_rate))
         results = [f.result() for f in futures]
@@ -167,7 +218,8 @@ def replica_metrics(servers: list[ServerProcess], block_size: int) -> dict:
 def run_policy(policy: str | None, replicas: int, model: str, prompts: list[str],
                args: argparse.Namespace) -> dict:
     """`policy` None: one replica, requests sent to it directly."""
-    servers, event_urls = start_replicas(replicas, model, args, policy == "kv_aware")
+    servers, event_urls = start_replicas(replicas, model, args,
+                                         (policy or "").startswith("kv_aware"))
     router = None
     try:
         url = servers[0].url
@@ -177,9 +229,11 @@ def run_policy(policy: str | None, replicas: int, model: str, prompts: list[str]
             url = router.url
         post(url + "/v1/completions", {"model": SERVED_NAME, "prompt": "you are",
                                        "max_tokens": 2})     # warm-up, before the cache counts
-        result = drive(url, prompts, args.concurrency, args.output_len, args.request_rate)
+        result = drive(url, prompts, args.concurrency, args.output_len, args.request_rate,
+                       args.sessions if policy == "kv_aware_session" else None)
         time.sleep(1.0)                     # the last step's gauges reach /metrics
         result.update(replica_metrics(servers, args.block_size))
+        result["router_decisions"] = router.decisions() if router else "-"
     finally:
         if router is not None:
             router.stop()
@@ -189,7 +243,7 @@ def run_policy(policy: str | None, replicas: int, model: str, prompts: list[str]
 
 
 COLUMNS = ("policy", "replicas", "requests_per_replica", "prefix_hit_rate", "decode_sharing",
-           "kv_tokens_held", "output_tok_s", "median_ttft_ms", "p90_ttft_ms")
+           "kv_tokens_held", "output_tok_s", "median_ttft_ms", "p90_ttft_ms", "router_decisions")
 
 
 def report(rows: list[dict], args: argparse.Namespace, command: str) -> None:
@@ -201,7 +255,13 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> None:
              f"words, questions of {args.question_words}, {args.output_len} greedy tokens, "
              f"{args.request_rate:g} arrivals/s (Poisson; 0: all at once), at most "
              f"{args.concurrency} in flight, shuffled; tiny model, fp32, block size "
-             f"{args.block_size}", "",
+             f"{args.block_size}; replicas "
+             + ("with `--enable-scale-out`" if args.scale_out else "without `--enable-scale-out`")
+             + " (vLLM's render endpoints, where vllm-router gets token ids)",
+             "- router_decisions: vllm-router's own counters (`outcome`: how its prefix-aware "
+             "policy placed each request; `missing_tokens`: no token ids from the replicas, "
+             "placed on load; `result`: how it got them)",
+             "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         lines.append("| " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else
@@ -242,12 +302,15 @@ def main(argv=None) -> int:
                    help="arrivals per second (Poisson); 0: all at once")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
+    p.add_argument("--scale-out", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the replicas with --enable-scale-out (default)")
     p.add_argument("--out", type=Path, default=Path("router_results"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from vllm_chunkattn.tiny_model import ensure_tiny_model
     model = args.model or str(ensure_tiny_model(Path("models/tiny-llama")))
     prompts = workload(args.groups, args.questions, args.prefix_words, args.question_words)
+    args.sessions = prefix_groups(prompts, args.prefix_words)
     rows = [run_policy(None, 1, model, prompts, args)]
     for policy in filter(None, args.policies.split(",")):
         rows.append(run_policy(policy, args.replicas, model, prompts, args))
