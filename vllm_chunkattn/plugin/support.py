@@ -76,10 +76,11 @@ MATRIX = (
      "slots pending in the tree until accepted"),
     ("speculative decoding with an EAGLE draft head (`\"method\": \"eagle\"`)", True,
      "the drafter's layer runs vLLM's own backend on the tree's blocks, lookahead slots pending "
-     "in the tree; a prefix hit's last block recomputed for the drafter, as vLLM does"),
+     "in the tree; a prefix hit's last block recomputed for the drafter, as vLLM does; sync or "
+     "async scheduling (vLLM's GPU default)"),
     ("speculative decoding with EAGLE-3, MTP, draft models, Medusa, GPU n-gram, suffix "
      "decoding", False, "not checked against stock yet (EAGLE-3's auxiliary hidden states, MTP "
-     "heads, draft models' own KV groups); async scheduling with drafts is not served"),
+     "heads, draft models' own KV groups)"),
     ("KV cache events (`--kv-events-config`: KV-aware routers)", True,
      "vLLM's own events and hashes; a duplicate chunk is never announced"),
     ("KV connectors", False, "the tree replaces vLLM's block pool"),
@@ -168,17 +169,15 @@ SPECULATIVE_METHODS = ("ngram", "eagle")
 
 
 def speculative_refusals(vllm_config) -> list[str]:
-    """Speculative decoding is served for n-gram drafts and EAGLE heads, synchronously
-    scheduled. Other drafters (EAGLE-3, MTP, draft models, ...) are not checked against stock
-    yet, and GPU n-gram runs with async scheduling: neither is served."""
+    """Speculative decoding is served for n-gram drafts and EAGLE heads, with the scheduling
+    vLLM picks for them (n-gram: sync; EAGLE: async where vLLM turns it on). Other drafters
+    (EAGLE-3, MTP, draft models, GPU n-gram, ...) are not checked against stock yet."""
     spec = vllm_config.speculative_config
     if spec is None:
         return []
     if spec.method not in SPECULATIVE_METHODS:
         return [f"speculative decoding with method {spec.method!r} (served: "
                 + ", ".join(repr(m) for m in SPECULATIVE_METHODS) + ")"]
-    if vllm_config.scheduler_config.async_scheduling:
-        return ["speculative decoding with async scheduling (pass --no-async-scheduling)"]
     return []
 
 
