@@ -22,6 +22,7 @@ namespace chunkattn {
 struct TppSizes {
   int64_t num_seqs, num_heads, head_size, num_blocks, block_size, num_kv_heads;
   int64_t num_nodes, num_partials;
+  bool kv_amx_packed;  // the caches are 6-D views of CPU_ATTN's AMX layout (kv_amx_sizes)
 };
 
 inline void check_index(const at::Tensor& t, const char* name, int64_t dims) {
@@ -52,24 +53,56 @@ inline std::pair<int64_t, int64_t> check_plan_tensors(int64_t num_seqs, const Tp
   return {num_nodes, num_partials};
 }
 
+// CPU_ATTN's AMX layout (bf16; vllm_chunkattn/kv_layout.py), as 6-D strided views of each
+// (block, kv head) slab, K then V:
+//   key_cache   [num_blocks, block_size / 16, 16, num_kv_heads, head_size / 2, 2]: 16-token
+//               groups of [head_size / 2][16] dim pairs (the B tiles of Q.K^T)
+//   value_cache [num_blocks, block_size / 2, 2, num_kv_heads, head_size / 16, 16]: 16-dim groups
+//               of [block_size / 2][16] token pairs (the B tiles of P.V)
+inline void check_kv_amx_layout(const at::Tensor& k, const at::Tensor& v, TppSizes& s) {
+  TORCH_CHECK(v.dim() == 6 && k.size(2) == 16 && k.size(5) == 2 && v.size(2) == 2 && v.size(5) == 16,
+              "tpp_decode: 6-D caches must be views of CPU_ATTN's AMX layout, got ", k.sizes(), " and ", v.sizes());
+  s.num_blocks = k.size(0);
+  s.block_size = k.size(1) * 16;
+  s.num_kv_heads = k.size(3);
+  const int64_t d = k.size(4) * 2, n = s.block_size;
+  TORCH_CHECK(d == s.head_size && v.size(4) * 16 == d && v.size(1) * 2 == n && v.size(0) == s.num_blocks &&
+                  v.size(3) == s.num_kv_heads,
+              "tpp_decode: AMX-layout caches ", k.sizes(), " and ", v.sizes(), " do not match head_size ",
+              s.head_size);
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && n % 32 == 0 && d % 32 == 0,
+              "tpp_decode: CPU_ATTN's AMX layout holds bf16 with block_size and head_size multiples of 32");
+  TORCH_CHECK(k.stride(5) == 1 && k.stride(2) == 2 && k.stride(4) == 32 && k.stride(1) == 16 * d &&
+                  v.stride(2) == 1 && v.stride(5) == 2 && v.stride(1) == 32 && v.stride(4) == 16 * n &&
+                  v.stride(0) == k.stride(0) && v.stride(3) == k.stride(3),
+              "tpp_decode: AMX-layout cache strides ", k.strides(), " and ", v.strides(),
+              " are not CPU_ATTN's");
+}
+
 inline TppSizes check_tpp_args(const TppArgs& a) {
   // Positive: the CUDA kernels take each row's max of the unscaled scores and scale it alone
   // (tpp_attend_tile.cuh, mask_and_max), which a negative scale would turn into the min.
   TORCH_CHECK(a.scale > 0 && std::isfinite(a.scale), "tpp_decode: scale must be positive and finite, got ", a.scale);
   const at::Tensor &query = a.query, &key_cache = a.key_cache, &value_cache = a.value_cache;
   TORCH_CHECK(query.dim() == 3, "tpp_decode: query must be [num_seqs, num_heads, head_size], got ", query.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-              "tpp_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got ",
-              key_cache.sizes(), " and ", value_cache.sizes());
   TppSizes s{};
   s.num_seqs = query.size(0);
   s.num_heads = query.size(1);
   s.head_size = query.size(2);
-  s.num_blocks = key_cache.size(0);
-  s.block_size = key_cache.size(1);
-  s.num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == s.head_size, "tpp_decode: key_cache head_size ", key_cache.size(3),
-              " != query head_size ", s.head_size);
+  s.kv_amx_packed = key_cache.dim() == 6;
+  if (s.kv_amx_packed) {
+    check_kv_amx_layout(key_cache, value_cache, s);
+  } else {
+    TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                "tpp_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+                "head_size] (or 6-D views of CPU_ATTN's AMX layout), got ", key_cache.sizes(), " and ",
+                value_cache.sizes());
+    s.num_blocks = key_cache.size(0);
+    s.block_size = key_cache.size(1);
+    s.num_kv_heads = key_cache.size(2);
+    TORCH_CHECK(key_cache.size(3) == s.head_size, "tpp_decode: key_cache head_size ", key_cache.size(3),
+                " != query head_size ", s.head_size);
+  }
   TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, "tpp_decode: num_heads ", s.num_heads,
               " must be a multiple of num_kv_heads ", s.num_kv_heads);
   auto is_float = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
@@ -87,11 +120,11 @@ inline TppSizes check_tpp_args(const TppArgs& a) {
   TORCH_CHECK(query.stride(2) == 1, "tpp_decode: query must be dense in head_size");
   TORCH_CHECK(a.out.sizes() == query.sizes() && a.out.stride(2) == 1,
               "tpp_decode: out must be [num_seqs, num_heads, head_size] dense in head_size, got ", a.out.sizes());
-  TORCH_CHECK(key_cache.stride(3) == 1 || key_cache.stride(1) == 1,
+  TORCH_CHECK(s.kv_amx_packed || key_cache.stride(3) == 1 || key_cache.stride(1) == 1,
               "tpp_decode: key_cache must have head_size stride 1 (flash layout) or block_size stride 1 "
               "(CPU_ATTN layout, K^T per block and head), got strides ", key_cache.strides());
-  TORCH_CHECK(value_cache.stride(3) == 1, "tpp_decode: value_cache must have head_size stride 1, got strides ",
-              value_cache.strides());
+  TORCH_CHECK(s.kv_amx_packed || value_cache.stride(3) == 1,
+              "tpp_decode: value_cache must have head_size stride 1, got strides ", value_cache.strides());
   std::tie(s.num_nodes, s.num_partials) = check_plan_tensors(s.num_seqs, a.plan);
   const at::Tensor& partial_o = a.partial_o;
   TORCH_CHECK(partial_o.scalar_type() == at::kFloat && partial_o.is_contiguous() && partial_o.dim() == 3 &&

@@ -30,7 +30,7 @@ namespace {
 // rows (bf16, natural order) are A tiles.
 //
 // Loop order: key tiles of 64 tokens outer (packed once, 32 KB at D = 128: stays in L1 while all
-// rows pass), rows in blocks of 16 inner, with every row's o in a dense scratch (L2) rather than
+// rows pass; CPU_ATTN's AMX-layout cache holds them as they are and is read in place), rows in blocks of 16 inner, with every row's o in a dense scratch (L2) rather than
 // the strided workspace. Tiles: tmm0-3 accumulators, tmm4 A, tmm5 B. Softmax stays AVX-512 fp32.
 constexpr int kAmxMinRows = 8;  // below this a 16-row tile is mostly padding: use vdpbf16ps
 
@@ -67,8 +67,9 @@ void attend_amx(const AttendArgs& a) {
   const int seen = first_seen_key(a);
   for (int t0 = first_visible_key(a, kKeyTile); t0 < a.num_tokens; t0 += kKeyTile) {
     const int n = imin(kKeyTile, a.num_tokens - t0);
-    for (int i = 0; i < kKeyTile; i += kTile)
-      pack_tile_bf16<D>(a, t0 + i, imin(kTile, n - i), kp + i, kKeyTile, vp + i / 2 * D, seen - (t0 + i));
+    for (int i = 0; i < kKeyTile; i += kTile) pack_tile<D>(a, t0, i, imin(kTile, n - i), seen, kp, kKeyTile, vp);
+    const PairTile pt = tile_at<D>(a, t0, 0, seen, kp, kKeyTile, vp);
+    const int kstride = int(pt.kps * 4), vstride = int(pt.vps * 4);
     if (t0 + kKeyTile < a.num_tokens)
       prefetch_tokens<D>(a, t0 + kKeyTile, imin(kKeyTile, a.num_tokens - t0 - kKeyTile));
     for (int r0 = 0; r0 < R; r0 += 16) {
@@ -77,11 +78,11 @@ void attend_amx(const AttendArgs& a) {
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       for (int k = 0; k < D / 32; ++k) {
         _tile_loadd(4, q + size_t(r0) * D + k * 32, D * 2);
-        const uint32_t* kb = kp + k * 16 * kKeyTile;
-        _tile_loadd(5, kb, kKeyTile * 4); _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, kb + 16, kKeyTile * 4); _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, kb + 32, kKeyTile * 4); _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, kb + 48, kKeyTile * 4); _tile_dpbf16ps(3, 4, 5);
+        const int64_t kb = int64_t(k) * 16 * pt.kps;
+        _tile_loadd(5, pt.k[0] + kb, kstride); _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, pt.k[1] + kb, kstride); _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, pt.k[2] + kb, kstride); _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, pt.k[3] + kb, kstride); _tile_dpbf16ps(3, 4, 5);
       }
       _tile_stored(0, s, kKeyTile * 4); _tile_stored(1, s + 16, kKeyTile * 4);
       _tile_stored(2, s + 32, kKeyTile * 4); _tile_stored(3, s + 48, kKeyTile * 4);
@@ -97,11 +98,12 @@ void attend_amx(const AttendArgs& a) {
         _tile_loadd(2, ob + c0 + 32, D * 4); _tile_loadd(3, ob + c0 + 48, D * 4);
         for (int k = 0; k < kKeyTile / 32; ++k) {
           _tile_loadd(4, pb + k * 16, kKeyTile * 2);
-          const uint32_t* vb = vp + k * 16 * D + c0;
-          _tile_loadd(5, vb, D * 4); _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(5, vb + 16, D * 4); _tile_dpbf16ps(1, 4, 5);
-          _tile_loadd(5, vb + 32, D * 4); _tile_dpbf16ps(2, 4, 5);
-          _tile_loadd(5, vb + 48, D * 4); _tile_dpbf16ps(3, 4, 5);
+          const uint32_t* vb = pt.v[k] + (c0 / 16) * pt.vds[k];
+          const int64_t vd = pt.vds[k];
+          _tile_loadd(5, vb, vstride); _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(5, vb + vd, vstride); _tile_dpbf16ps(1, 4, 5);
+          _tile_loadd(5, vb + 2 * vd, vstride); _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, vb + 3 * vd, vstride); _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, ob + c0, D * 4); _tile_stored(1, ob + c0 + 16, D * 4);
         _tile_stored(2, ob + c0 + 32, D * 4); _tile_stored(3, ob + c0 + 48, D * 4);

@@ -23,7 +23,8 @@ namespace {
 // ---- the kernel: GEMM-shaped, for many rows (chunk-first) and few (sequence-first) alike.
 //
 // The KV run is walked in chunks of up to kChunk tokens, packed once per chunk into the VNNI pair
-// layouts of bf16_pair_tiles.h (kp row stride = chunk length). Rows go in blocks of kRowBlock whose o, m, l live
+// layouts of bf16_pair_tiles.h (kp row stride = chunk length); CPU_ATTN's AMX-layout cache
+// already holds them, so only its partial tiles are packed. Rows go in blocks of kRowBlock whose o, m, l live
 // in a dense local scratch (in L1) for the whole chunk, and each block streams over the packed
 // chunk (from L2) in key tiles of kKeyTile: S = Q.K^T by a 4 rows x 64 keys register block
 // (16 zmm accumulators; each K vector load feeds 4 rows, each q broadcast 4 key vectors), online
@@ -33,16 +34,16 @@ namespace {
 constexpr int kChunk = 512;
 constexpr int kRowBlock = 32;
 
-// s[r][0:64] = q[r] . k[t] for RT rows; q as [RT][D/2] pairs, kp with row stride ks.
+// s[r][0:64] = q[r] . k[t] for RT rows; q as [RT][D/2] pairs, the keys' pairs as pt says.
 template <int D, int RT>
-inline void qk_block(const uint32_t* q, const uint32_t* kp, int ks, float* s) {
+inline void qk_block(const uint32_t* q, const PairTile& pt, float* s) {
   constexpr int NV = kKeyTile / 16;
   __m512 acc[RT][NV];
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int p = 0; p < D / 2; ++p) {
     __m512bh k[NV];
-    for (int j = 0; j < NV; ++j) k[j] = as_bh(_mm512_loadu_si512(kp + p * ks + j * 16));
+    for (int j = 0; j < NV; ++j) k[j] = as_bh(_mm512_loadu_si512(pt.k[j] + p * pt.kps));
     for (int r = 0; r < RT; ++r) {
       __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * (D / 2) + p])));
       for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, k[j]);
@@ -53,17 +54,17 @@ inline void qk_block(const uint32_t* q, const uint32_t* kp, int ks, float* s) {
 }
 
 template <int D, int RT>
-inline void qk_rows(const uint32_t* q, const uint32_t* kp, int ks, float* s, int rows) {
-  for (; rows >= RT; rows -= RT, q += RT * (D / 2), s += RT * kKeyTile) qk_block<D, RT>(q, kp, ks, s);
+inline void qk_rows(const uint32_t* q, const PairTile& pt, float* s, int rows) {
+  for (; rows >= RT; rows -= RT, q += RT * (D / 2), s += RT * kKeyTile) qk_block<D, RT>(q, pt, s);
   if constexpr (RT > 1) {
-    if (rows > 0) qk_rows<D, RT / 2>(q, kp, ks, s, rows);
+    if (rows > 0) qk_rows<D, RT / 2>(q, pt, s, rows);
   }
 }
 
-// o[r] = alpha[r] * o[r] + p[r] . V for RP rows; p as [RP][32] pairs, vp the tile's [32][D] pairs,
-// o dense [RP][D].
+// o[r] = alpha[r] * o[r] + p[r] . V for RP rows; p as [RP][32] pairs, the tile's 32 token pairs
+// as pt says, o dense [RP][D].
 template <int D, int RP>
-inline void pv_block(const uint32_t* p, const float* alpha, const uint32_t* vp, float* o) {
+inline void pv_block(const uint32_t* p, const float* alpha, const PairTile& pt, float* o) {
   constexpr int NV = D / 16;
   constexpr int DB = exact_block(NV, 4);  // RP x DB <= 16 accumulators
   for (int c0 = 0; c0 < NV; c0 += DB) {
@@ -72,12 +73,15 @@ inline void pv_block(const uint32_t* p, const float* alpha, const uint32_t* vp, 
       __m512 al = _mm512_set1_ps(alpha[r]);
       for (int j = 0; j < DB; ++j) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + (c0 + j) * 16), al);
     }
-    for (int u = 0; u < kKeyTile / 2; ++u) {
-      __m512bh v[DB];
-      for (int j = 0; j < DB; ++j) v[j] = as_bh(_mm512_loadu_si512(vp + u * D + (c0 + j) * 16));
-      for (int r = 0; r < RP; ++r) {
-        __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (kKeyTile / 2) + u])));
-        for (int j = 0; j < DB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, v[j]);
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t* vh = pt.v[h] + c0 * pt.vds[h];
+      for (int u = 0; u < 16; ++u) {
+        __m512bh v[DB];
+        for (int j = 0; j < DB; ++j) v[j] = as_bh(_mm512_loadu_si512(vh + u * pt.vps + j * pt.vds[h]));
+        for (int r = 0; r < RP; ++r) {
+          __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (kKeyTile / 2) + 16 * h + u])));
+          for (int j = 0; j < DB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, v[j]);
+        }
       }
     }
     for (int r = 0; r < RP; ++r)
@@ -86,11 +90,11 @@ inline void pv_block(const uint32_t* p, const float* alpha, const uint32_t* vp, 
 }
 
 template <int D, int RP>
-inline void pv_rows(const uint32_t* p, const float* alpha, const uint32_t* vp, float* o, int rows) {
+inline void pv_rows(const uint32_t* p, const float* alpha, const PairTile& pt, float* o, int rows) {
   for (; rows >= RP; rows -= RP, p += RP * (kKeyTile / 2), alpha += RP, o += RP * D)
-    pv_block<D, RP>(p, alpha, vp, o);
+    pv_block<D, RP>(p, alpha, pt, o);
   if constexpr (RP > 1) {
-    if (rows > 0) pv_rows<D, RP / 2>(p, alpha, vp, o, rows);
+    if (rows > 0) pv_rows<D, RP / 2>(p, alpha, pt, o, rows);
   }
 }
 
@@ -110,8 +114,7 @@ void attend_bf16(const AttendArgs& a) {
   for (int c0 = first_visible_key(a, kKeyTile); c0 < a.num_tokens; c0 += chunk) {
     const int cn = imin(chunk, a.num_tokens - c0);
     const int padded = (cn + kKeyTile - 1) / kKeyTile * kKeyTile;
-    for (int i = 0; i < padded; i += kTile)
-      pack_tile_bf16<D>(a, c0 + i, imin(kTile, cn - i), kp + i, chunk, vp + i / 2 * D, seen - (c0 + i));
+    for (int i = 0; i < padded; i += kTile) pack_tile<D>(a, c0, i, imin(kTile, cn - i), seen, kp, chunk, vp);
     if (c0 + chunk < a.num_tokens) prefetch_tokens<D>(a, c0 + chunk, imin(chunk, a.num_tokens - c0 - chunk));
     for (int r0 = 0; r0 < a.num_rows; r0 += kRowBlock) {
       const int rt = imin(kRowBlock, a.num_rows - r0);
@@ -121,9 +124,10 @@ void attend_bf16(const AttendArgs& a) {
         l[r] = *l_row(a, r0 + r);
       }
       for (int t = 0; t < cn; t += kKeyTile) {
-        qk_rows<D, 4>(q + r0 * (D / 2), kp + t, chunk, s, rt);
+        const PairTile pt = tile_at<D>(a, c0, t, seen, kp, chunk, vp);
+        qk_rows<D, 4>(q + r0 * (D / 2), pt, s, rt);
         softmax_rows(a, r0, c0 + t, s, pb, m, l, alpha, rt, imin(kKeyTile, cn - t));
-        pv_rows<D, 4>(pb, alpha, vp + t / 2 * D, o, rt);
+        pv_rows<D, 4>(pb, alpha, pt, o, rt);
       }
       for (int r = 0; r < rt; ++r) {
         std::memcpy(o_row(a, r0 + r, D), o + r * D, D * 4);

@@ -76,6 +76,109 @@ void pack_tile_bf16(const AttendArgs& a, int t0, int n, uint32_t* kp, int ks, ui
   }
 }
 
+// Where a key tile's products read their pair tiles: the 16-key run j at k[j] (dim pair p at
+// k[j] + p * kps) and the 32-key half h at v[h] (token pair u, dims 16c.. at
+// v[h] + u * vps + c * vds[h]). Either the kernel's packed scratch or CPU_ATTN's AMX-layout cache
+// itself, whose slabs already hold these tiles.
+struct PairTile {
+  const uint32_t* k[4];
+  int64_t kps;
+  const uint32_t* v[2];
+  int64_t vps, vds[2];
+};
+
+// The tile at key t of a scratch packed by pack_tile_bf16 (kp row stride ks).
+template <int D>
+inline PairTile packed_tile(const uint32_t* kp, const uint32_t* vp, int t, int ks) {
+  PairTile pt;
+  for (int j = 0; j < 4; ++j) pt.k[j] = kp + t + 16 * j;
+  pt.kps = ks;
+  for (int h = 0; h < 2; ++h) pt.v[h] = vp + size_t(t / 2 + 16 * h) * D, pt.vds[h] = 16;
+  pt.vps = D;
+  return pt;
+}
+
+// CPU_ATTN's AMX layout (bf16, block_size % 32 == 0), per (block, kv head) slab in 32-bit words:
+//   K: 16-token groups of [D/2][16] pairs: (k[t][2p], k[t][2p+1]) at (t/16) * 8D + p * 16 + t % 16
+//   V: 16-dim groups of [block_size/2][16] pairs: (v[2u][d], v[2u+1][d]) at
+//      (d/16) * 8 * block_size + u * 16 + d % 16
+// A 32-key half is read in place when every key of it is in the run and seen (cache slots past
+// the run or before every row's window may hold NaN); else it is packed, masked, into scratch of
+// the same shape (K runs 8D words apart, V groups 256 words apart).
+inline bool amx_in_place(const AttendArgs& a, int t, int seen) {
+  return t >= seen && t + kTile <= a.num_tokens;
+}
+
+inline const uint32_t* amx_slab(const KvCacheView& c, const AttendArgs& a, int t) {
+  const int64_t blk = a.block_ids[t / a.block_size];
+  return static_cast<const uint32_t*>(c.data) + (blk * c.block_stride + a.kv_head * c.head_stride) / 2;
+}
+
+template <int D>
+inline const uint32_t* amx_k_run(const AttendArgs& a, int t) {  // t % 16 == 0
+  return amx_slab(a.k, a, t) + (t % a.block_size) / 16 * (8 * D);
+}
+
+inline const uint32_t* amx_v_pairs(const AttendArgs& a, int t) {  // t % 2 == 0
+  return amx_slab(a.v, a, t) + (t % a.block_size) / 2 * 16;
+}
+
+// The tile at key c0 + t; halves that are not in place were packed at kp / vp + their offset
+// from c0.
+template <int D>
+inline PairTile amx_tile(const AttendArgs& a, int c0, int t, int seen, const uint32_t* kp, const uint32_t* vp) {
+  PairTile pt;
+  pt.kps = 16;
+  pt.vps = 16;
+  for (int h = 0; h < 2; ++h) {
+    const int i = t + 32 * h;
+    const bool in_place = amx_in_place(a, c0 + i, seen);
+    pt.v[h] = in_place ? amx_v_pairs(a, c0 + i) : vp + size_t(i / 32) * 16 * D;
+    pt.vds[h] = in_place ? 8 * int64_t(a.block_size) : 256;
+    for (int r = 0; r < 2; ++r)
+      pt.k[2 * h + r] = in_place ? amx_k_run<D>(a, c0 + i + 16 * r) : kp + size_t(i / 16 + r) * 8 * D;
+  }
+  return pt;
+}
+
+// Packs the AMX-layout half at key t (t % 32 == 0) into kdst (two runs) and vdst: keys [lo, n)
+// from t are copied, the others are zeros and never read.
+template <int D>
+void pack_amx_half(const AttendArgs& a, int t, int n, int lo, uint32_t* kdst, uint32_t* vdst) {
+  auto valid = [&](int j) { return j >= lo && j < n; };
+  const bool any = imax(lo, 0) < imin(n, kTile);
+  const uint32_t* kb = any ? amx_k_run<D>(a, t) : nullptr;
+  for (int r = 0; r < 2; ++r) {
+    uint32_t mask = 0;
+    for (int j = 0; j < 16; ++j) mask |= uint32_t(valid(16 * r + j)) << j;
+    for (int p = 0; p < D / 2; ++p)
+      _mm512_storeu_si512(kdst + r * 8 * D + p * 16,
+                          mask ? _mm512_maskz_loadu_epi32((__mmask16)mask, kb + r * 8 * D + p * 16)
+                               : _mm512_setzero_si512());
+  }
+  const uint32_t* vb = any ? amx_v_pairs(a, t) : nullptr;
+  for (int u = 0; u < 16; ++u) {
+    const __mmask32 mask = (valid(2 * u) ? 0x55555555u : 0u) | (valid(2 * u + 1) ? 0xAAAAAAAAu : 0u);
+    for (int g = 0; g < D / 16; ++g)
+      _mm512_storeu_si512(vdst + g * 256 + u * 16,
+                          mask ? _mm512_maskz_loadu_epi16(mask, vb + int64_t(g) * 8 * a.block_size + u * 16)
+                               : _mm512_setzero_si512());
+  }
+}
+
+// Packs what a tile at key c0 + t needs: halves not read in place, at their offset from c0.
+template <int D>
+inline void pack_tile(const AttendArgs& a, int c0, int t, int n, int seen, uint32_t* kp, int ks, uint32_t* vp) {
+  if (!a.k.amx_packed) return pack_tile_bf16<D>(a, c0 + t, n, kp + t, ks, vp + t / 2 * D, seen - (c0 + t));
+  if (!amx_in_place(a, c0 + t, seen))
+    pack_amx_half<D>(a, c0 + t, n, seen - (c0 + t), kp + size_t(t / 16) * 8 * D, vp + size_t(t / 32) * 16 * D);
+}
+
+template <int D>
+inline PairTile tile_at(const AttendArgs& a, int c0, int t, int seen, const uint32_t* kp, int ks, const uint32_t* vp) {
+  return a.k.amx_packed ? amx_tile<D>(a, c0, t, seen, kp, vp) : packed_tile<D>(kp, vp, t, ks);
+}
+
 // Prefetch KV tokens [t0, t0 + n) into L2 while the current tile is computed: paged blocks sit in
 // random order, so the hardware prefetchers lose the stream at every block boundary.
 template <int D>
@@ -85,6 +188,15 @@ inline void prefetch_tokens(const AttendArgs& a, int t0, int n) {
   const bool k_transposed = a.k.dim_stride != 1;
   for (int i = 0; i < n; i += 16) {  // 16-token runs never cross a block (block_size % 16 == 0)
     const int tok = t0 + i, off = tok % a.block_size;
+    if (a.k.amx_packed) {  // a K run is 32D contiguous bytes, V 512 bytes per 16-dim group
+      const char* kr = reinterpret_cast<const char*>(amx_k_run<D>(a, tok));
+      for (int c = 0; c < 32 * D; c += 64) _mm_prefetch(kr + c, _MM_HINT_T1);
+      const uint32_t* vr = amx_v_pairs(a, tok);
+      for (int g = 0; g < D / 16; ++g)
+        for (int u = 0; u < 8; ++u)
+          _mm_prefetch(reinterpret_cast<const char*>(vr + int64_t(g) * 8 * a.block_size + u * 16), _MM_HINT_T1);
+      continue;
+    }
     const int64_t blk = a.block_ids[tok / a.block_size];
     const uint16_t* kb = kd + blk * a.k.block_stride + a.kv_head * a.k.head_stride + off * a.k.token_stride;
     const uint16_t* vb = vd + blk * a.v.block_stride + a.kv_head * a.v.head_stride + off * a.v.token_stride;

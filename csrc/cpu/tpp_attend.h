@@ -17,10 +17,13 @@ enum class KvDtype : int { kFloat32, kFloat16, kBFloat16, kFp8E4m3, kFp8E5m2 };
 
 // One of key_cache / value_cache as [num_blocks, block_size, num_kv_heads, head_size], strides in
 // elements. K is read with token_stride == 1 (CPU_ATTN, K^T per block and head) or
-// dim_stride == 1 (flash); V always with dim_stride == 1.
+// dim_stride == 1 (flash); V always with dim_stride == 1. amx_packed: CPU_ATTN's AMX layout
+// (bf16 pair tiles per (block, head) slab, csrc/tpp_checks.h), read by the bf16 kernels only;
+// token_stride and dim_stride are then unused.
 struct KvCacheView {
   const void* data;
   int64_t block_stride, token_stride, head_stride, dim_stride;
+  bool amx_packed;
 };
 
 struct AttendArgs {

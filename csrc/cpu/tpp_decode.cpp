@@ -28,7 +28,7 @@ struct Kernel {
 // The best kernel this CPU runs. CHUNKATTN_CPU_ISA=amx|avx512_bf16|avx512|avx2|scalar restricts the
 // choice to one, so tests cover the fallbacks on a machine that has them all.
 Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t block_size,
-                     int64_t head_size) {
+                     int64_t head_size, bool kv_amx_packed) {
   const char* env = std::getenv("CHUNKATTN_CPU_ISA");
   const std::string want = env ? env : "";
   auto allowed = [&](const char* name) { return want.empty() || want == name; };
@@ -47,6 +47,9 @@ Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t bl
   if (allowed("avx512_bf16") && bf16_ok) {
     if (AttendFn fn = attend_avx512_bf16(hs)) return {fn, true};
   }
+  TORCH_CHECK(!kv_amx_packed, "tpp_decode: CPU_ATTN's AMX cache layout is read by the amx and avx512_bf16 "
+              "kernels only, for bf16 query and cache",
+              want.empty() ? std::string() : " (CHUNKATTN_CPU_ISA=" + want + ")");
   if (allowed("avx512") && avx512) {
     if (AttendFn fn = attend_avx512(hs)) return {fn, false};
   }
@@ -55,6 +58,7 @@ Kernel choose_kernel(at::ScalarType kv_dtype, at::ScalarType q_dtype, int64_t bl
   }
 #else
   (void)kv_dtype, (void)q_dtype, (void)block_size;
+  TORCH_CHECK(!kv_amx_packed, "tpp_decode: CPU_ATTN's AMX cache layout is read on x86-64 only");
 #endif
   if (allowed("scalar")) {
     if (AttendFn fn = attend_scalar(hs)) return {fn, false};
@@ -76,7 +80,9 @@ KvDtype kv_dtype_of(const at::Tensor& t) {
 }
 
 KvCacheView view_of(const at::Tensor& t) {
-  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+  if (t.dim() == 6)  // CPU_ATTN's AMX layout (check_kv_amx_layout): block and head strides only
+    return {t.data_ptr(), t.stride(0), 0, t.stride(3), 0, true};
+  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3), false};
 }
 
 template <typename T>
@@ -123,7 +129,8 @@ void tpp_decode_cpu(const chunkattn::TppArgs& args) {
   if (num_seqs == 0) return;
 
   // ---- kernel, query rows in the kernel's dtype, per-thread scratch
-  const Kernel kernel = choose_kernel(args.key_cache.scalar_type(), query.scalar_type(), block_size, head_size);
+  const Kernel kernel = choose_kernel(args.key_cache.scalar_type(), query.scalar_type(), block_size, head_size,
+                                      sizes.kv_amx_packed);
   const at::Tensor q = kernel.q_bf16 ? query.contiguous() : query.to(at::kFloat).contiguous();
   const int64_t q_row_bytes = head_size * (kernel.q_bf16 ? 2 : 4);
   const char* q_base = static_cast<const char*>(q.data_ptr());

@@ -43,6 +43,7 @@ inline bool is_fp8_kv(const at::Tensor& key_cache) {
 // blocks, rows of 8-element chunks for cp.async / ldmatrix, pairs for the float2 / half2 accesses.
 inline void check_tensor_core_args(const TppSizes& s, const TppArgs& a) {
   const at::Tensor &query = a.query, &out = a.out;
+  TORCH_CHECK(!s.kv_amx_packed, "tpp_decode: CPU_ATTN's AMX cache layout is read on CPUs only");
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
               "tpp_decode: the CUDA TPP kernel takes fp16/bf16 query (tensor cores), got ", dtype,

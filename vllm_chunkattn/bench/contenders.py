@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode import TppLaunch
-from ..kv_layout import FP8_KV_CACHE_DTYPES
+from ..kv_layout import FP8_KV_CACHE_DTYPES, block_size_of, logical_cache
 from ..plan import TppWorkspace
 from ..plan.cache import PlanCache
 from . import provenance
@@ -91,15 +91,15 @@ def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int,
 
 def sdpa_per_sequence(bt: Batch):
     """Naive: gather each sequence's KV, one SDPA call per sequence (GQA by the op)."""
-    bs = bt.key_cache.shape[1]
+    bs = block_size_of(bt.key_cache)
     out = torch.empty_like(bt.query)
     lens = bt.seq_lens.tolist()
 
     def run():
         for i, n in enumerate(lens):
             ids = bt.block_table[i, :-(-n // bs)].long()
-            k = bt.key_cache[ids].flatten(0, 1)[:n].transpose(0, 1)
-            v = bt.value_cache[ids].flatten(0, 1)[:n].transpose(0, 1)
+            k = logical_cache(bt.key_cache[ids]).flatten(0, 1)[:n].transpose(0, 1)
+            v = logical_cache(bt.value_cache[ids]).flatten(0, 1)[:n].transpose(0, 1)
             out[i] = F.scaled_dot_product_attention(bt.query[i][:, None], k, v, scale=bt.scale,
                                                     enable_gqa=True)[:, 0]
         return out

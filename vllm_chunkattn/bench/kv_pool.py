@@ -49,7 +49,7 @@ class KvPool:
             self.key_cache, self.value_cache = kv_cache_views(self.kv_cache, layout)
         if fp8_dtype is None:
             self.kv_cache.normal_()
-        self.block_size = block_size
+        self.block_size, self.head_size = block_size, head_size
 
     def batch(self, n_p, n_s, b, num_heads, seed) -> Batch:
         bs = self.block_size
@@ -59,7 +59,7 @@ class KvPool:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randperm(self.kv_cache.shape[0] - 1, generator=g)[:shared + b * private] + 1
         table = torch.cat([ids[:shared].expand(b, shared), ids[shared:].view(b, private)], dim=1)
-        head_size = self.key_cache.shape[-1]
+        head_size = self.head_size
         dev = self.kv_cache.device
         query = torch.randn(b, num_heads, head_size, generator=g).to(self.dtype).to(dev)
         return Batch(query, self.kv_cache, self.key_cache, self.value_cache,
@@ -68,7 +68,7 @@ class KvPool:
 
     def from_table(self, block_table, seq_lens, num_heads, generator) -> Batch:
         """A batch over given host block table / seq_lens (kernel_trees.tree_block_table)."""
-        head_size = self.key_cache.shape[-1]
+        head_size = self.head_size
         dev = self.kv_cache.device
         query = torch.randn(block_table.shape[0], num_heads, head_size, generator=generator)
         return Batch(query.to(self.dtype).to(dev), self.kv_cache, self.key_cache,

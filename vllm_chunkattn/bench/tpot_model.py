@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .model_shapes import SHAPES, attention_shape
+from ..ops import cpu_kv_layout
 from ..plan import build_plan, empty_plan
 from . import provenance
 from .contenders import (cpu_attn, flashinfer_decode, host_ms, machine, ours, plan_step,
@@ -133,11 +134,11 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer,
     head_weight = lm_head_weight(config, dtype, device)
     head_ms = {b: timer(graphed(lm_head(config, head_weight, b)), args.reps) for b in batches}
     del head_weight
-    layout = "cpu_attn" if device.type == "cpu" else "flash"
+    isa = vllm_cpu_isa(dtype, args.block, head_dim) if device.type == "cpu" else ""
+    layout = cpu_kv_layout(isa, head_dim, dtype) if device.type == "cpu" else "flash"
     blocks_per_seq = -(-(max(p.prompt for p in points) + 1) // args.block)
     pool = KvPool(max(batches) * blocks_per_seq + 1, args.block, num_kv_heads, head_dim, dtype,
                   device, layout)
-    isa = vllm_cpu_isa(dtype, args.block, head_dim) if device.type == "cpu" else ""
     kv_bytes = kv_bytes_per_token(num_kv_heads, head_dim, dtype)
     rows = []
     for p in points:
@@ -145,7 +146,7 @@ def measure_shape(shape: str, points: list[Point], args, timer: Timer,
         plan = build_plan(bt.block_table.cpu(), bt.seq_lens.cpu(), args.block)
         custom = ours(bt, plan)
         stock_label, stock, others = stock_attention(bt, device, isa)
-        if isa != "amx":      # AMX packs K in tiles: same bytes, another layout, not comparable
+        if isa != "amx" or layout == "cpu_attn_amx":   # else timed on the same bytes only
             for fn in (stock, *others.values()):
                 torch.testing.assert_close(custom().float(), fn().float(), atol=args.tol,
                                            rtol=args.tol)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..kv_layout import alloc_kv_cache, kv_cache_views
+from ..kv_layout import alloc_kv_cache, kv_cache_views, write_logical
 from ..plan import PlanCapacity, TppPlan, build_plan, pad_plan
 
 
@@ -76,8 +76,9 @@ def random_tree_batch(seed: int, *, depth: int = 2, fanout: int = 3, max_node_bl
     kv_cache = alloc_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device,
                               layout)
     key_cache, value_cache = kv_cache_views(kv_cache, layout)
-    key_cache.copy_(torch.randn(key_cache.shape, generator=g).to(dtype))
-    value_cache.copy_(torch.randn(value_cache.shape, generator=g).to(dtype))
+    logical = (num_blocks, block_size, num_kv_heads, head_size)   # the same K/V in every layout
+    write_logical(key_cache, torch.randn(logical, generator=g).to(dtype))
+    write_logical(value_cache, torch.randn(logical, generator=g).to(dtype))
     query = torch.randn(len(rows), num_heads, head_size, generator=g).to(dtype).to(device)
     return TreeBatch(query, kv_cache, key_cache, value_cache, block_table.to(device),
                      torch.tensor(lens, dtype=torch.int32, device=device), block_size,

@@ -5,8 +5,8 @@ over them is vllm_chunkattn.decode.
 from __future__ import annotations
 
 from .cuda_fit import CUDA_BLOCK_SIZES
-from .native import check_plan, kernel_name, native_ops
+from .native import check_plan, kernel_name, native_ops, cpu_kv_layout, reads_cpu_attn_amx_layout
 from .reference import dense_decode_oracle, tpp_decode_reference
 
 __all__ = ["tpp_decode_reference", "dense_decode_oracle", "kernel_name", "native_ops",
-           "check_plan", "CUDA_BLOCK_SIZES"]
+           "check_plan", "cpu_kv_layout", "reads_cpu_attn_amx_layout", "CUDA_BLOCK_SIZES"]

@@ -90,3 +90,26 @@ def kernel_name(device: torch.device | str) -> str:
     """What tpp_decode runs on this device: for the start-up log line."""
     dev = torch.device(device)
     return f"native-{dev.type}" if native_ops(dev) is not None else "torch-reference"
+
+
+# Head sizes of the bf16 kernels (csrc/cpu: attend_avx512_bf16, attend_amx) that CPU_ATTN's AMX
+# layout can hold (multiples of 32).
+AMX_LAYOUT_HEAD_SIZES = {"": (64, 96, 128, 256), "avx512_bf16": (64, 96, 128, 256),
+                         "amx": (64, 128, 256)}
+
+
+def reads_cpu_attn_amx_layout(head_size: int, kv_cache_dtype: torch.dtype) -> bool:
+    """Whether this machine's native CPU kernel reads CPU_ATTN's AMX cache layout in place (then
+    CPU_ATTN keeps its AMX kernels for prefill and its AMX cache writes): bf16 cache, a bf16
+    kernel this CPU runs (CHUNKATTN_CPU_ISA unset or amx / avx512_bf16), a head size it holds."""
+    return (native_ops(torch.device("cpu")) is not None and kv_cache_dtype == torch.bfloat16
+            and head_size in AMX_LAYOUT_HEAD_SIZES.get(envs.CPU_ISA, ())
+            and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()))
+
+
+def cpu_kv_layout(cpu_attn_isa: str, head_size: int, kv_cache_dtype: torch.dtype) -> str:
+    """The kv_layout name of a CPU cache CPU_ATTN fills with its kernels of `cpu_attn_isa`: its AMX
+    layout where our kernel reads it in place, else its portable one ("cpu_attn"). Where it is
+    "amx" and ours cannot read it, the plugin switches CPU_ATTN to "vec" (plugin/backend.py)."""
+    return ("cpu_attn_amx" if cpu_attn_isa == "amx"
+            and reads_cpu_attn_amx_layout(head_size, kv_cache_dtype) else "cpu_attn")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_layout import logical_cache
 from ..plan.tpp_plan import TppPlan
 
 
@@ -108,7 +109,8 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
     """Two-phase partition decode, written for reading.
 
     query: [num_seqs, num_heads, head_size]; one new token per row
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides (or
+    kv_layout's 6-D views of CPU_ATTN's AMX layout)
     block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new token included)
     out: [num_seqs, num_heads, head_size], written in place if given. lse: [num_seqs, num_heads].
     sliding_window, soft_cap, sinks: the layer's attention variant; k_scale, v_scale: an fp8
@@ -116,6 +118,7 @@ def tpp_decode_reference(query, key_cache, value_cache, block_table, seq_lens, p
     """
     num_seqs, num_heads, head_size = query.shape
     lo = window_start(seq_lens.long().cpu(), sliding_window)         # each row's first key
+    key_cache, value_cache = logical_cache(key_cache), logical_cache(value_cache)
     block_size = key_cache.shape[1]
     dev = query.device
     p_o = torch.zeros(plan.num_partials, num_heads, head_size, device=dev)
@@ -174,6 +177,7 @@ def dense_decode_oracle(query, key_cache, value_cache, block_table, seq_lens, sc
     Returns (out [num_seqs, num_heads, head_size] fp64, lse [num_seqs, num_heads] fp64).
     """
     num_seqs, num_heads, head_size = query.shape
+    key_cache, value_cache = logical_cache(key_cache), logical_cache(value_cache)
     block_size = key_cache.shape[1]
     outs, lses = [], []
     for i in range(num_seqs):

@@ -27,7 +27,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice, split_attn_metadata
 from .. import __version__, envs
 from ..kv_layout import kv_cache_views
 from ..decode import TppLaunch
-from ..ops import kernel_name
+from ..ops import kernel_name, reads_cpu_attn_amx_layout
 from ..plan import PlanCache, PlanCapacity, TppPlan, TppWorkspace, query_rows
 from . import batch_order, logger
 from .support import (CUDA_BLOCK_SIZES, FP8_KV_CACHE_DTYPES, cuda_refusal, head_sizes,
@@ -154,8 +154,9 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
         base_backend, self.kv_layout, _ = _platform_base()
         self.base = base_backend.get_builder_cls()(kv_cache_spec, layer_names, vllm_config,
                                                    device)
-        if getattr(self.base, "isa", None) == "amx":
-            # AMX packs K in tiles our kernels do not read; vec is CPU_ATTN's portable layout.
+        if getattr(self.base, "isa", None) == "amx" and not reads_cpu_attn_amx_layout(
+                kv_cache_spec.head_size, kv_cache_spec.dtype):
+            # CPU_ATTN's AMX layout, which only our bf16 kernels read: vec is its portable one.
             self.base.isa = "vec"
             self.base._set_isa_to_layers(layer_names)
         self.block_size = kv_cache_spec.block_size
@@ -196,10 +197,11 @@ class ChunkAttnMetadataBuilder(AttentionMetadataBuilder[ChunkAttnMetadata]):
                     "source checkout with `pip install -e . --no-build-isolation`, or set "
                     "CHUNKATTN_ALLOW_REFERENCE=1 to serve with the PyTorch reference (slow).")
             _announced = True
+            isa = getattr(self.base, "isa", None)       # CPU_ATTN's: what its kernels and cache use
             logger.info("vllm-chunkattn %s: ChunkAttention backend (CUSTOM) in use: TPP decode "
                         "kernel=%s, chunk size=%d tokens (= vLLM block size), prefill and KV "
-                        "writes via %s", __version__, kernel, self.block_size,
-                        base_backend.get_name())
+                        "writes via %s%s", __version__, kernel, self.block_size,
+                        base_backend.get_name(), f" (isa {isa})" if isa else "")
             if kernel == "torch-reference":
                 logger.warning("CHUNKATTN_ALLOW_REFERENCE=1: TPP decode runs the PyTorch "
                                "reference, 10-100x slower than the native kernel")
@@ -375,7 +377,7 @@ class ChunkAttnImpl(AttentionImpl):
         md = attn_metadata
         nd = md.num_decode_tokens
         if nd:
-            key_cache, value_cache = self._kv_views(kv_cache)
+            key_cache, value_cache = self._kv_views(kv_cache, getattr(layer, "isa", None))
             # An fp8 cache's per-tensor scales: the layer's, as vLLM's own backend reads them.
             scales = ((layer._k_scale_float, layer._v_scale_float) if self.fp8_dtype is not None
                       else (1.0, 1.0))
@@ -397,10 +399,12 @@ class ChunkAttnImpl(AttentionImpl):
             return s
         return s.detach().float().contiguous()
 
-    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_views(self, kv_cache: torch.Tensor, isa: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         # A layer's cache tensor is allocated once: make its K/V views once, not every step.
+        # CPU_ATTN's builder sets the layer's isa; "amx" caches hold its AMX layout.
         if self._views is None or self._views[0] is not kv_cache:
-            views = kv_cache_views(kv_cache, self.kv_layout)
+            layout = "cpu_attn_amx" if isa == "amx" else self.kv_layout
+            views = kv_cache_views(kv_cache, layout)
             if self.fp8_dtype is not None:
                 views = tuple(v.view(self.fp8_dtype) for v in views)
             self._views = (kv_cache, *views)
