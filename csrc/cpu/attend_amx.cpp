@@ -32,7 +32,7 @@ namespace {
 // Loop order: key tiles of 64 tokens outer (packed once, 32 KB at D = 128: stays in L1 while all
 // rows pass; CPU_ATTN's AMX-layout cache holds them as they are and is read in place), rows in blocks of 16 inner, with every row's o in a dense scratch (L2) rather than
 // the strided workspace. Tiles: tmm0-3 accumulators, tmm4 A, tmm5 B. Softmax stays AVX-512 fp32.
-constexpr int kAmxMinRows = 8;  // below this a 16-row tile is mostly padding: use vdpbf16ps
+constexpr int kAmxMinRows = 8;  // below this, packing K and V for tiles costs more than vdpbf16ps saves
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -42,7 +42,9 @@ struct alignas(64) TileConfig {
 
 template <int D>
 void attend_amx(const AttendArgs& a) {
-  if (a.num_rows < kAmxMinRows) return attend_avx512_bf16(D)(a);
+  // K and V already in AMX's B-tile layout (CPU_ATTN's cache) cost no packing: tiles pay off
+  // from one row.
+  if (a.num_rows < (a.k.amx_packed ? 1 : kAmxMinRows)) return attend_avx512_bf16(D)(a);
   const int R = a.num_rows, RP = (R + 15) / 16 * 16;
   // Scratch: kp [D/2][64], vp [32][D], o [RP][D] fp32, q [RP][D] bf16 (zero padding rows).
   uint32_t* kp = bf16_scratch(size_t(kKeyTile) * D + size_t(RP) * D + size_t(RP) * D / 2);

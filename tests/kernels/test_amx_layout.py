@@ -51,6 +51,18 @@ def _isa(isa, monkeypatch):
         monkeypatch.setenv("CHUNKATTN_CPU_ISA", isa)
 
 
+def _assert_as_on_portable(isa, head_size, got, portable):
+    """(out, lse) on the AMX layout against the same call on the portable layout."""
+    if isa != "avx512_bf16" and head_size != 96 and torch.cpu._is_amx_tile_supported():
+        # The AMX kernel takes tiles from one row on the AMX layout (nothing to pack) and from
+        # 8 rows on the portable one: the same products summed in another order, and P, rounded
+        # to bf16 for P.V, may round a step the other way (2^-8).
+        for a, b in zip(got, portable):
+            torch.testing.assert_close(a, b, atol=2 ** -8, rtol=2 ** -8)
+    else:   # the same products on the same values in the same order: bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(got, portable))
+
+
 def test_views_name_the_same_kv():
     vec, amx = _pair(3, **TREE_SPECS["system_prompts"], head_size=128, block_size=32)
     for a, b in ((vec.key_cache, amx.key_cache), (vec.value_cache, amx.value_cache)):
@@ -79,8 +91,7 @@ def test_same_result_as_portable_layout(isa, spec, heads, head_size, block_size,
                      num_kv_heads=heads[1], head_size=head_size, block_size=block_size)
     out, lse = _native(amx)
     ref_out, ref_lse = _native(vec)
-    # the same products on the same values in the same order: bit for bit
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _assert_as_on_portable(isa, head_size, (out, lse), (ref_out, ref_lse))
     oracle, oracle_lse = dense_decode_oracle(vec.query, vec.key_cache, vec.value_cache,
                                              vec.block_table, vec.seq_lens, vec.scale)
     torch.testing.assert_close(out, oracle.float(), atol=1e-2, rtol=1e-2)
@@ -93,9 +104,7 @@ def test_many_rows_long_nodes(isa, monkeypatch):
     _isa(isa, monkeypatch)
     vec, amx = _pair(5, fanouts=[1, 2, 10], max_node_blocks=16, max_private_blocks=1,
                      num_heads=12, num_kv_heads=2, head_size=128, block_size=32)
-    out, lse = _native(amx)
-    ref_out, ref_lse = _native(vec)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _assert_as_on_portable(isa, 128, _native(amx), _native(vec))
 
 
 @pytest.mark.parametrize("isa", ("", "amx", "avx512_bf16"))
@@ -129,7 +138,7 @@ def test_variants_and_unread_slots(isa, window, cap, with_sinks, monkeypatch):
     out, lse = _native(amx, window, cap, sinks)
     ref_out, ref_lse = _native(vec, window, cap, sinks)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _assert_as_on_portable(isa, 128, (out, lse), (ref_out, ref_lse))
 
 
 @pytest.mark.parametrize("isa", ("avx512", "avx2", "scalar"))
