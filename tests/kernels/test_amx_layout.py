@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_chunkattn.bench.tree_batches import TREE_SPECS, random_tree_batch
+from vllm_chunkattn.bench.tree_batches import TREE_SPECS, poison_unread_kv, random_tree_batch
 from vllm_chunkattn.kv_layout import kv_cache_views, logical_cache
 from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import dense_decode_oracle
 from vllm_chunkattn.plan import build_plan
+
+from test_ops_cpu import run_native
 
 OPS = native_ops(torch.device("cpu"))
 HAS_BF16_KERNELS = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
@@ -25,17 +27,8 @@ BF16 = torch.bfloat16
 
 
 def _native(b, window=0, cap=0.0, sinks=None):
-    """Our kernel with NaN-filled out, lse and workspace: anything it fails to write shows."""
-    plan = build_plan(b.block_table, b.seq_lens, b.block_size)
-    num_seqs, num_heads, head_size = b.query.shape
-    slots = max(plan.num_partials, 1)
-    ws = (torch.full((slots, num_heads, head_size), float("nan")),
-          torch.full((slots, num_heads), float("nan")), torch.full((slots, num_heads), float("nan")))
-    out = torch.full(b.query.shape, float("nan"))
-    lse = torch.full((num_seqs, num_heads), float("nan"))
-    OPS.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   *plan.tensors(), *ws, b.scale, out, lse, window, cap, sinks)
-    return out, lse
+    return run_native(b, build_plan(b.block_table, b.seq_lens, b.block_size), window=window,
+                      cap=cap, sinks=sinks)
 
 
 def _pair(seed, **kw):
@@ -115,24 +108,7 @@ def test_variants_and_unread_slots(isa, window, cap, with_sinks, monkeypatch):
     _isa(isa, monkeypatch)
     vec, amx = _pair(11, **TREE_SPECS["system_prompts"], num_heads=8, num_kv_heads=2,
                      head_size=128, block_size=32)
-    bs = amx.block_size
-    lens = amx.seq_lens.tolist()
-    table = amx.block_table.tolist()
-    poisoned = 0
-    for i, n in enumerate(lens):
-        for j, blk in enumerate(table[i][:(n + bs - 1) // bs]):
-            readers = [(r, k) for r, row in enumerate(table) for k, x in enumerate(row) if x == blk
-                       and k * bs < lens[r]]
-            # a slot no reader of the block sees: past every reader's length or before every window
-            seen = [range(max(lens[r] - window, 0) if window else 0, lens[r]) for r, k in readers]
-            for slot in range(bs):
-                pos = j * bs + slot
-                if not any(pos in s for s in seen):
-                    full = torch.full((amx.key_cache.shape[3], 128), float("nan"), dtype=BF16)
-                    k6, v6 = amx.key_cache, amx.value_cache
-                    k6[blk, slot // 16, slot % 16] = full.unflatten(-1, (64, 2))
-                    v6[blk, slot // 2, slot % 2] = full.unflatten(-1, (8, 16))
-                    poisoned += 1
+    poisoned = poison_unread_kv(amx, window)
     assert poisoned
     sinks = torch.randn(8) if with_sinks else None
     out, lse = _native(amx, window, cap, sinks)

@@ -13,6 +13,8 @@ from vllm_chunkattn.ops.native import native_ops
 from vllm_chunkattn.ops.reference import dense_decode_oracle, tpp_decode_reference
 from vllm_chunkattn.plan import build_plan
 
+from test_ops_cpu import run_native
+
 OPS = native_ops(torch.device("cpu"))
 needs_op = pytest.mark.skipif(OPS is None, reason="vllm_chunkattn._C not built "
                               "(python setup.py build_ext --inplace)")
@@ -42,15 +44,7 @@ def _oracle(b, window, cap, sinks):
 
 
 def _native(b, plan, window, cap, sinks):
-    num_seqs, num_heads, head_size = b.query.shape
-    slots = max(plan.num_partials, 1)
-    ws = (torch.full((slots, num_heads, head_size), float("nan")),
-          torch.full((slots, num_heads), float("nan")), torch.full((slots, num_heads), float("nan")))
-    out = torch.full(b.query.shape, float("nan"))
-    lse = torch.full((num_seqs, num_heads), float("nan"))
-    OPS.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   *plan.tensors(), *ws, b.scale, out, lse, window, cap, sinks)
-    return out, lse
+    return run_native(b, plan, window=window, cap=cap, sinks=sinks)
 
 
 def test_window_edges_cover_every_case():

@@ -24,8 +24,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 HEADS = ((8, 8), (8, 2), (8, 1), (9, 3))
 
 
-def run_native(b, plan, out_dtype=torch.float32):
-    """Our kernel with NaN-filled out, lse and workspace: anything it fails to write shows."""
+def run_native(b, plan, out_dtype=torch.float32, window=0, cap=0.0, sinks=None):
+    """Our kernel with NaN-filled out, lse and workspace: anything it fails to write shows.
+    window, cap, sinks: the attention variant (sliding window, soft-cap, sink logits)."""
     num_seqs, num_heads, head_size = b.query.shape
     slots = max(plan.num_partials, 1)
     ws = (torch.full((slots, num_heads, head_size), float("nan")),
@@ -33,7 +34,7 @@ def run_native(b, plan, out_dtype=torch.float32):
     out = torch.full(b.query.shape, float("nan"), dtype=out_dtype)
     lse = torch.full((num_seqs, num_heads), float("nan"))
     OPS.tpp_decode(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                   *plan.tensors(), *ws, b.scale, out, lse)
+                   *plan.tensors(), *ws, b.scale, out, lse, window, cap, sinks)
     return out, lse
 
 

@@ -183,14 +183,15 @@ def poison_unread_kv(b: TreeBatch, sliding_window: int = 0) -> int:
     blocks, each last block past its sequence's length, and with a sliding window the rows
     before every reader's window); the reference is unchanged, and a kernel that lets any of them
     in (a stage's tokens past its run not zero-filled, or KV no row of a CTA sees loaded: a
-    masked score still multiplies its V row, 0 x NaN = NaN) fails it. Returns the rows filled."""
-    read = torch.zeros(b.key_cache.shape[:2], dtype=torch.bool)      # [block, row in block]
+    masked score still multiplies its V row, 0 x NaN = NaN) fails it. Returns the rows filled.
+    Any layout: the 6-D "cpu_attn_amx" views split a block's rows in their first three dims."""
+    read = torch.zeros(b.key_cache.shape[0], b.block_size, dtype=torch.bool)  # [block, row]
     for row, n in zip(b.block_table.tolist(), b.seq_lens.tolist()):
         t = torch.arange(max(0, n - sliding_window) if sliding_window > 0 else 0, n)
         read[torch.tensor(row)[t // b.block_size], t % b.block_size] = True
     unread = (~read).to(b.key_cache.device)
-    b.key_cache[unread] = float("nan")
-    b.value_cache[unread] = float("nan")
+    for cache in (b.key_cache, b.value_cache):
+        cache[unread.view(cache.shape[:3]) if cache.dim() == 6 else unread] = float("nan")
     return int(unread.sum())
 
 
